@@ -1,0 +1,180 @@
+"""Rollout batches: accept verl's layout, check it, and split it into mini-batches and DP shards.
+
+A batch is a ``tensordict.TensorDict`` or any object with ``.batch`` (TensorDict) and ``.meta_info``
+(verl's ``DataProto``). Keys (B rollouts, T = prompt + response width, R = response width):
+``input_ids``, ``attention_mask``, ``position_ids`` [B, T], ``responses`` [B, R]; for updates also
+``values`` and ``returns`` [B, R]; optionally ``response_mask`` [B, R] (the loss mask; defaults to the
+response part of ``attention_mask``). Prompts are left-padded, responses right-padded.
+
+Every rank passes the same global batch; each data-parallel rank takes its own contiguous shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from tensordict import TensorDict
+from torch import Tensor
+
+
+class BatchError(ValueError):
+    """A batch does not have the keys, shapes or layout the critic needs; nothing was changed."""
+
+
+@dataclass
+class Rollouts:
+    """A checked rollout batch. Real tokens of row i: ``prompt_lens[i]`` prompt then ``response_lens[i]``
+    response tokens, contiguous, ending at column ``prompt_width + response_lens[i]``."""
+
+    input_ids: Tensor        # [B, T] long
+    prompt_lens: Tensor      # [B] long, real prompt tokens (>= 1)
+    response_lens: Tensor    # [B] long, real response tokens
+    response_mask: Tensor    # [B, R] float, loss mask
+    values: Tensor | None    # [B, R] float32, values from compute_values (old values)
+    returns: Tensor | None   # [B, R] float32
+
+    @property
+    def response_width(self) -> int:
+        return self.response_mask.shape[1]
+
+    @property
+    def prompt_width(self) -> int:
+        return self.input_ids.shape[1] - self.response_width
+
+    @property
+    def seq_lens(self) -> Tensor:
+        return self.prompt_lens + self.response_lens
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor) -> "Rollouts":
+        return replace(self, **{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
+                                for f in fields(self)})
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def to_tensordict(data) -> TensorDict:
+    if isinstance(data, TensorDict):
+        return data
+    batch = getattr(data, "batch", None)
+    if isinstance(batch, TensorDict):
+        return batch
+    raise BatchError(f"expected a TensorDict or an object with a .batch TensorDict (verl DataProto), "
+                     f"got {type(data).__name__}")
+
+
+def _rows(bad: Tensor, limit: int = 8) -> str:
+    rows = bad.nonzero().flatten().tolist()
+    more = f" (and {len(rows) - limit} more)" if len(rows) > limit else ""
+    return f"{rows[:limit]}{more}"
+
+
+def _monotone(mask: Tensor, increasing: bool) -> Tensor:
+    """Rows of a 0/1 mask that are not all-0-then-all-1 (increasing) or all-1-then-all-0."""
+    diff = mask[:, 1:] - mask[:, :-1]
+    return (diff < 0).any(1) if increasing else (diff > 0).any(1)
+
+
+def rollouts_from_batch(data, need_targets: bool, vocab_size: int | None = None) -> Rollouts:
+    """Check a verl-layout batch and describe it as :class:`Rollouts`; raises BatchError naming the key."""
+    td = to_tensordict(data)
+    required = ["input_ids", "attention_mask", "position_ids", "responses"]
+    if need_targets:
+        required += ["values", "returns"]
+    missing = [k for k in required if k not in td.keys()]
+    if missing:
+        raise BatchError(f"batch is missing key(s) {missing}; it has {sorted(td.keys())}")
+    input_ids, attention_mask, position_ids, responses = (td[k] for k in required[:4])
+    if input_ids.ndim != 2 or input_ids.shape[0] == 0:
+        raise BatchError(f"input_ids must be [batch, prompt+response] with batch >= 1, got {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise BatchError(f"input_ids must hold integer token ids, got {input_ids.dtype}")
+    b, t = input_ids.shape
+    for key in ("attention_mask", "position_ids"):
+        if tuple(td[key].shape) != (b, t):
+            raise BatchError(f"{key} has shape {tuple(td[key].shape)}, input_ids has {(b, t)}")
+    if responses.ndim != 2 or responses.shape[0] != b or not 0 < responses.shape[1] < t:
+        raise BatchError(f"responses has shape {tuple(responses.shape)}; expected [{b}, R] with 0 < R < {t}")
+    r = responses.shape[1]
+    p = t - r
+    mask = attention_mask.to(torch.int64)
+    if ((mask != 0) & (mask != 1)).any():
+        raise BatchError(f"attention_mask must be 0/1; rows {_rows(((mask != 0) & (mask != 1)).any(1))}")
+    prompt_mask, resp_mask_attn = mask[:, :p], mask[:, p:]
+    bad = _monotone(prompt_mask, increasing=True)
+    if bad.any():
+        raise BatchError(f"attention_mask: prompts must be left-padded (0s then 1s); rows {_rows(bad)}")
+    bad = _monotone(resp_mask_attn, increasing=False)
+    if bad.any():
+        raise BatchError(f"attention_mask: responses must be right-padded (1s then 0s); rows {_rows(bad)}")
+    prompt_lens, response_lens = prompt_mask.sum(1), resp_mask_attn.sum(1)
+    if (prompt_lens == 0).any():
+        raise BatchError(f"every rollout needs at least one prompt token; empty prompts in rows "
+                         f"{_rows(prompt_lens == 0)}")
+    if not torch.equal(input_ids[:, p:], responses.to(input_ids.dtype)):
+        raise BatchError("responses must equal the last R columns of input_ids")
+    # Rotary positions restart at 0 on each rollout's first real token (verl's left-padded layout).
+    expected_pos = (mask.cumsum(1) - 1).clamp(min=0)
+    bad = ((position_ids.to(torch.int64) != expected_pos) & (mask == 1)).any(1)
+    if bad.any():
+        raise BatchError(f"position_ids must count real tokens from 0 (cumsum(attention_mask) - 1); rows {_rows(bad)}")
+    if vocab_size is not None:
+        bad = ((input_ids < 0) | (input_ids >= vocab_size)).any(1)
+        if bad.any():
+            raise BatchError(f"input_ids: token ids outside the vocabulary [0, {vocab_size}) in rows {_rows(bad)}")
+
+    if "response_mask" in td.keys():
+        response_mask = td["response_mask"].to(torch.float32)
+        if tuple(response_mask.shape) != (b, r):
+            raise BatchError(f"response_mask has shape {tuple(response_mask.shape)}, expected {(b, r)}")
+        if ((response_mask != 0) & (resp_mask_attn == 0)).any():
+            raise BatchError("response_mask marks tokens that attention_mask says are padding")
+    else:
+        response_mask = resp_mask_attn.to(torch.float32)
+
+    values = returns = None
+    if need_targets:
+        values, returns = td["values"], td["returns"]
+        for key, x in (("values", values), ("returns", returns)):
+            if tuple(x.shape) != (b, r):
+                raise BatchError(f"{key} has shape {tuple(x.shape)}, expected [batch, response] = {(b, r)}")
+            if not x.is_floating_point():
+                raise BatchError(f"{key} must be floating point, got {x.dtype}")
+            bad = (~torch.isfinite(x) & (response_mask > 0)).any(1)
+            if bad.any():
+                raise BatchError(f"{key} has NaN/inf on response tokens in rows {_rows(bad)}")
+        values = torch.where(response_mask > 0, values, 0).to(torch.float32)
+        returns = torch.where(response_mask > 0, returns, 0).to(torch.float32)
+    return Rollouts(input_ids=input_ids.to(torch.int64), prompt_lens=prompt_lens, response_lens=response_lens,
+                    response_mask=response_mask, values=values, returns=returns)
+
+
+def mini_batch_indices(n: int, mini_batch_size: int, epochs: int, shuffle: bool, seed: int | None,
+                       call_index: int = 0) -> list[Tensor]:
+    """Row indices of each mini-batch, epoch after epoch; a fresh seeded permutation per epoch.
+
+    ``call_index`` (the number of earlier update calls) varies the shuffle from one call to the next
+    while keeping it reproducible.
+    """
+    if n % mini_batch_size:
+        raise BatchError(f"batch of {n} rollouts is not a multiple of ppo_mini_batch_size ({mini_batch_size})")
+    out = []
+    for epoch in range(epochs):
+        if shuffle:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + call_index * 1009 + epoch)
+            order = torch.randperm(n, generator=gen)
+        else:
+            order = torch.arange(n)
+        out.extend(order.split(mini_batch_size))
+    return out
+
+
+def dp_shard(rows: Tensor, dp_rank: int, dp_size: int) -> Tensor:
+    """This data-parallel rank's contiguous share of ``rows``."""
+    if len(rows) % dp_size:
+        raise BatchError(f"{len(rows)} rollouts cannot be split evenly over {dp_size} data-parallel ranks")
+    return rows.chunk(dp_size)[dp_rank]

@@ -1,0 +1,96 @@
+"""``megacritic train``: the PPO critic phase on the embedded rollout task, under torchrun or alone.
+
+    python -m megacritic train [--config FILE.yaml] [dotted.key=value ...]
+    torchrun --nproc_per_node 2 -m megacritic train megatron.tensor_model_parallel_size=2
+
+Each iteration draws a rollout batch, computes its values (the old values of PPO), then updates the critic
+over ppo_epochs x mini-batches. ``<trainer.output_dir>/metrics.jsonl`` gets one JSON object per optimizer
+step; only global rank 0 writes and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megacritic.config import ConfigError, load_config, to_dict
+from megacritic.data import SyntheticRollouts
+from megacritic.worker import CriticWorker
+
+
+def _finite_or_none(x: float):
+    return x if math.isfinite(x) else None
+
+
+def train(config) -> dict[str, float]:
+    """Run the main job; returns the last optimizer step's metrics."""
+    worker = CriticWorker(config)
+    worker.init_model()
+    speaker = dist.get_rank() == 0
+    data = SyntheticRollouts(config)
+    log = None
+    if speaker:
+        os.makedirs(config.trainer.output_dir, exist_ok=True)
+        with open(os.path.join(config.trainer.output_dir, "config.json"), "w") as f:
+            json.dump(to_dict(config), f, indent=2)
+        log = open(os.path.join(config.trainer.output_dir, "metrics.jsonl"), "w")
+    bar = tqdm(range(config.trainer.steps), desc="critic", disable=not (speaker and config.trainer.progress),
+               dynamic_ncols=True)
+    step, last = 0, {}
+    try:
+        for iteration in bar:
+            batch = data.batch(iteration)
+            start = time.perf_counter()
+            batch["values"] = worker.compute_values(batch)
+            values_time = time.perf_counter() - start
+            start = time.perf_counter()
+            metrics = worker.update_critic(batch)
+            update_time = time.perf_counter() - start
+            steps_here = len(metrics["critic/vf_loss"])
+            for i in range(steps_here):
+                step += 1
+                last = {k: v[i] for k, v in metrics.items()}
+                record = {"step": step, "iteration": iteration + 1, **last,
+                          "timing_s/values": values_time, "timing_s/update_critic": update_time}
+                if log:
+                    log.write(json.dumps({k: _finite_or_none(v) if isinstance(v, float) else v
+                                          for k, v in record.items()}) + "\n")
+            if log:
+                log.flush()
+            bar.set_postfix(vf_loss=f"{last['critic/vf_loss']:.4g}",
+                            expl_var=f"{last['critic/vf_explained_var']:.3f}")
+    finally:
+        bar.close()
+        if log:
+            log.close()
+        worker.close()
+    if speaker:
+        print(f"done: {step} optimizer steps over {config.trainer.steps} iterations; "
+              f"vf_loss {last['critic/vf_loss']:.4g}, explained variance {last['critic/vf_explained_var']:.4f}, "
+              f"grad norm {last['critic/grad_norm']:.3g}; metrics in "
+              f"{os.path.join(config.trainer.output_dir, 'metrics.jsonl')}")
+    return last
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="megacritic", description="PPO critic training on Megatron-Core")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="train the critic on the embedded rollout task")
+    p_train.add_argument("--config", help="YAML file of settings (defaults < file < overrides)")
+    p_train.add_argument("overrides", nargs="*", help="dotted.key=value settings, e.g. ppo_epochs=2")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.overrides, args.config)
+        if args.command == "train":
+            train(config)
+    except ConfigError as exc:
+        print(f"megacritic: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0

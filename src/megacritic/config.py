@@ -1,0 +1,344 @@
+"""Configuration: one dataclass per section, loaded from defaults < YAML file < dotted overrides.
+
+Key names follow verl's critic config (``ppo_mini_batch_size``, ``megatron.tensor_model_parallel_size``,
+``optim.lr`` ...) so an existing verl critic section can be pasted in. Sections of our own live under
+``trainer.*`` and ``data.*``. Every check that can be made before a model is built is made by
+:func:`validate` (static) and :func:`validate_layout` (needs the world size); each failure is a
+:class:`ConfigError` naming the dotted key, the value received and the fix. A validated config is
+never mutated: values derived from it (per-rank batch sizes, effective sequence parallelism) live in
+:class:`~megacritic.worker.Layout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A setting is invalid or incompatible with another; raised before anything is built."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the value model (Llama / Qwen2 family; names as in a Hugging Face config.json)."""
+
+    path: Optional[str] = None
+    """Local Hugging Face model folder to start from. Not supported yet: leave unset to use the
+    architecture below with seeded random weights."""
+    vocab_size: int = 64
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    """FFN (SwiGLU) inner size."""
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA query groups); equal to num_attention_heads for plain multi-head attention."""
+    head_dim: Optional[int] = None
+    """Per-head size; defaults to hidden_size // num_attention_heads."""
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = True
+    """Bias on the Q, K and V projections (Qwen2 has it, Llama does not)."""
+    init_std: float = 0.02
+    """Std of the seeded normal initialisation of every weight matrix (norms start at 1, biases at 0)."""
+    value_head_init_std: float = 0.02
+    """Std of the value head's weight at initialisation (its bias starts at 0)."""
+    dtype: str = "auto"
+    """Parameter and compute dtype: float32, bfloat16, or auto (bfloat16 on GPU, float32 on CPU)."""
+
+
+@dataclass
+class MegatronConfig:
+    """Parallel layout and Megatron-Core options (verl's ``critic.megatron`` section)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Model chunks per pipeline rank (interleaved schedule); None or 1 for none."""
+    context_parallel_size: int = 1
+    """Context parallelism; only 1 is supported so far."""
+    sequence_parallel: bool = True
+    """Sequence parallelism; takes effect whenever tensor_model_parallel_size > 1."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    param_offload: bool = False
+    """Offloading is not supported yet; must stay false."""
+    grad_offload: bool = False
+    """Offloading is not supported yet; must stay false."""
+    optimizer_offload: bool = False
+    """Offloading is not supported yet; must stay false."""
+    seed: int = 42
+    """Seed of the weight initialisation (identical for every parallel layout)."""
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer (Megatron's Adam) and LR schedule (Megatron's OptimizerParamScheduler)."""
+
+    lr: float = 2e-3
+    """Peak learning rate. The default suits the embedded tiny model; billion-parameter critics use ~1e-5."""
+    min_lr: float = 0.0
+    """Final LR of linear / cosine decay."""
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    lr_warmup_steps: int = -1
+    """Warm-up optimizer steps; -1 means use lr_warmup_steps_ratio."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warm-up as a fraction of total_training_steps (used when lr_warmup_steps is -1)."""
+    lr_decay_style: str = "constant"
+    """constant, linear or cosine (decay from lr to min_lr over total_training_steps)."""
+    total_training_steps: int = -1
+    """Optimizer steps the schedule spans; -1 lets the trainer derive it from trainer.steps."""
+
+
+@dataclass
+class DataConfig:
+    """The embedded synthetic rollout task used by ``megacritic train`` (see megacritic.data)."""
+
+    rollouts_per_step: int = 64
+    """Rollouts generated per PPO iteration (the train batch)."""
+    prompt_length: list = field(default_factory=lambda: [4, 16])
+    """Inclusive range of real prompt lengths; prompts are left-padded to the upper bound."""
+    response_length: list = field(default_factory=lambda: [4, 32])
+    """Inclusive range of real response lengths; responses are right-padded to the upper bound."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 60
+    """PPO iterations: each draws a rollout batch, computes values, then updates the critic."""
+    output_dir: str = "outputs/default"
+    """Where metrics.jsonl is written."""
+    save_every: int = 0
+    """Checkpointing is not supported yet; must stay 0."""
+    resume: bool = False
+    """Checkpointing is not supported yet; must stay false."""
+    progress: bool = True
+    """Show a progress bar (rank 0 only)."""
+
+
+@dataclass
+class CriticConfig:
+    """Everything one critic run needs. Batch sizes count sequences (rollouts), not tokens."""
+
+    ppo_mini_batch_size: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    ppo_micro_batch_size_per_gpu: Optional[int] = 4
+    """Sequences per micro-batch per GPU when use_dynamic_bsz is false."""
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    """Sequences per micro-batch in compute_values; defaults to ppo_micro_batch_size_per_gpu."""
+    use_dynamic_bsz: bool = False
+    """Form micro-batches by a token budget (Karmarkar-Karp balanced) instead of a fixed count."""
+    ppo_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of a training micro-batch per GPU (use_dynamic_bsz)."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """Token budget of a compute_values micro-batch; defaults to ppo_max_token_len_per_gpu."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch in update_critic."""
+    shuffle: bool = True
+    """Shuffle the rollout batch (with data_loader_seed) before splitting it into mini-batches."""
+    data_loader_seed: Optional[int] = 1
+    """Seed of the mini-batch shuffle and of the embedded synthetic data."""
+    cliprange_value: float = 0.5
+    """Predicted values are clipped to old_values +- cliprange_value in the value loss."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm, aggregated over
+    the whole mini-batch (all micro-batches and data-parallel ranks)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def load_config(overrides: list[str] | None = None, path: str | None = None) -> CriticConfig:
+    """Defaults < YAML file at ``path`` < dotted ``overrides`` (``key=value``); validated."""
+    schema = OmegaConf.structured(CriticConfig)
+    layers = [schema]
+    try:
+        if path is not None:
+            layers.append(OmegaConf.load(path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ConfigError(f"override {bad[0]!r} is not of the form dotted.key=value")
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise ConfigError(f"{where}{exc.msg if hasattr(exc, 'msg') else exc}") from None
+    except FileNotFoundError as exc:
+        raise ConfigError(f"--config file not found: {path}") from exc
+    validate(config)
+    return config
+
+
+def to_dict(config: CriticConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def _fail(key: str, value, fix: str):
+    raise ConfigError(f"{key}={value!r}: {fix}")
+
+
+def _positive(key: str, value):
+    if value is None or value < 1:
+        _fail(key, value, "must be a positive integer")
+
+
+def head_dim(model: ModelConfig) -> int:
+    return model.head_dim or model.hidden_size // model.num_attention_heads
+
+
+def validate(config: CriticConfig) -> None:
+    """Every check that does not need the world size. Raises ConfigError on the first problem."""
+    m, mg, o, t, d = config.model, config.megatron, config.optim, config.trainer, config.data
+
+    if m.path is not None:
+        _fail("model.path", m.path, "loading Hugging Face checkpoints is not supported yet; unset it")
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.num_attention_heads % m.num_key_value_heads:
+        _fail("model.num_key_value_heads", m.num_key_value_heads,
+              f"must divide model.num_attention_heads ({m.num_attention_heads})")
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        _fail("model.hidden_size", m.hidden_size,
+              f"must be a multiple of model.num_attention_heads ({m.num_attention_heads}), or set model.head_dim")
+    if m.head_dim is not None and (m.head_dim < 2 or m.head_dim % 2):
+        _fail("model.head_dim", m.head_dim, "must be an even positive integer (rotary embeddings)")
+    if m.dtype not in DTYPES:
+        _fail("model.dtype", m.dtype, f"choose one of {', '.join(DTYPES)}")
+    if m.init_std <= 0 or m.value_head_init_std < 0:
+        _fail("model.init_std", m.init_std, "must be positive (value_head_init_std non-negative)")
+
+    tp, pp, vpp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.virtual_pipeline_model_parallel_size
+    _positive("megatron.tensor_model_parallel_size", tp)
+    _positive("megatron.pipeline_model_parallel_size", pp)
+    if mg.context_parallel_size != 1:
+        _fail("megatron.context_parallel_size", mg.context_parallel_size, "context parallelism is not supported yet; use 1")
+    if m.num_attention_heads % tp:
+        _fail("megatron.tensor_model_parallel_size", tp,
+              f"must divide model.num_attention_heads ({m.num_attention_heads})")
+    if m.num_key_value_heads % tp:
+        _fail("megatron.tensor_model_parallel_size", tp,
+              f"must divide model.num_key_value_heads ({m.num_key_value_heads}), the query groups")
+    if m.intermediate_size % tp:
+        _fail("megatron.tensor_model_parallel_size", tp,
+              f"must divide model.intermediate_size ({m.intermediate_size})")
+    if vpp is not None and vpp > 1:
+        if pp < 2:
+            _fail("megatron.virtual_pipeline_model_parallel_size", vpp,
+                  "needs megatron.pipeline_model_parallel_size >= 2; set it to null")
+        if m.num_hidden_layers % (pp * vpp):
+            _fail("megatron.virtual_pipeline_model_parallel_size", vpp,
+                  f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size ({pp} x {vpp}) "
+                  f"must divide model.num_hidden_layers ({m.num_hidden_layers})")
+    elif vpp is not None and vpp < 1:
+        _fail("megatron.virtual_pipeline_model_parallel_size", vpp, "must be null or a positive integer")
+    if m.num_hidden_layers % pp:
+        _fail("megatron.pipeline_model_parallel_size", pp,
+              f"must divide model.num_hidden_layers ({m.num_hidden_layers})")
+    for key in ("param_offload", "grad_offload", "optimizer_offload"):
+        if getattr(mg, key):
+            _fail(f"megatron.{key}", True, "offloading is not supported yet; set it to false")
+
+    _positive("ppo_mini_batch_size", config.ppo_mini_batch_size)
+    _positive("ppo_epochs", config.ppo_epochs)
+    if config.use_dynamic_bsz:
+        if config.ppo_max_token_len_per_gpu is None:
+            _fail("ppo_max_token_len_per_gpu", None, "use_dynamic_bsz=true needs a token budget per GPU")
+        _positive("ppo_max_token_len_per_gpu", config.ppo_max_token_len_per_gpu)
+        if config.forward_max_token_len_per_gpu is not None:
+            _positive("forward_max_token_len_per_gpu", config.forward_max_token_len_per_gpu)
+    else:
+        if config.ppo_micro_batch_size_per_gpu is None:
+            _fail("ppo_micro_batch_size_per_gpu", None,
+                  "set a micro-batch size, or use_dynamic_bsz=true with ppo_max_token_len_per_gpu")
+        _positive("ppo_micro_batch_size_per_gpu", config.ppo_micro_batch_size_per_gpu)
+        if config.forward_micro_batch_size_per_gpu is not None:
+            _positive("forward_micro_batch_size_per_gpu", config.forward_micro_batch_size_per_gpu)
+    if config.shuffle and config.data_loader_seed is None:
+        _fail("data_loader_seed", None, "shuffle=true needs a seed (or set shuffle=false)")
+    if not config.cliprange_value > 0:
+        _fail("cliprange_value", config.cliprange_value, "must be positive")
+    if config.loss_agg_mode not in LOSS_AGG_MODES:
+        _fail("loss_agg_mode", config.loss_agg_mode, f"choose one of {', '.join(LOSS_AGG_MODES)}")
+
+    if not o.lr > 0:
+        _fail("optim.lr", o.lr, "must be positive")
+    if not 0 <= o.min_lr <= o.lr:
+        _fail("optim.min_lr", o.min_lr, f"must lie in [0, optim.lr={o.lr}]")
+    if o.weight_decay < 0:
+        _fail("optim.weight_decay", o.weight_decay, "must be non-negative")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        _fail("optim.betas", o.betas, "must be two numbers in [0, 1)")
+    if o.clip_grad < 0:
+        _fail("optim.clip_grad", o.clip_grad, "must be non-negative (0 disables clipping)")
+    if o.lr_decay_style not in LR_DECAY_STYLES:
+        _fail("optim.lr_decay_style", o.lr_decay_style, f"choose one of {', '.join(LR_DECAY_STYLES)}")
+    if not 0 <= o.lr_warmup_steps_ratio <= 1:
+        _fail("optim.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, "must lie in [0, 1]")
+    if o.lr_warmup_steps < -1:
+        _fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be -1 (use the ratio) or non-negative")
+
+    _positive("trainer.steps", t.steps)
+    if t.save_every:
+        _fail("trainer.save_every", t.save_every, "checkpointing is not supported yet; set it to 0")
+    if t.resume:
+        _fail("trainer.resume", t.resume, "checkpointing is not supported yet; set it to false")
+    _positive("data.rollouts_per_step", d.rollouts_per_step)
+    for key in ("prompt_length", "response_length"):
+        lo_hi = getattr(d, key)
+        if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
+            _fail(f"data.{key}", lo_hi, "must be [min, max] with 1 <= min <= max")
+    if d.prompt_length[1] + d.response_length[1] > m.max_position_embeddings:
+        _fail("data.response_length", d.response_length,
+              f"prompt + response ({d.prompt_length[1]} + {d.response_length[1]}) exceed "
+              f"model.max_position_embeddings ({m.max_position_embeddings})")
+    if d.rollouts_per_step % config.ppo_mini_batch_size:
+        _fail("data.rollouts_per_step", d.rollouts_per_step,
+              f"must be a multiple of ppo_mini_batch_size ({config.ppo_mini_batch_size})")
+
+
+def validate_layout(config: CriticConfig, world_size: int) -> int:
+    """Checks that need the world size; returns the data-parallel size."""
+    mg = config.megatron
+    model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel sizes "
+            f"({mg.tensor_model_parallel_size} x {mg.pipeline_model_parallel_size} x {mg.context_parallel_size}"
+            f" = {model_parallel}); change megatron.* or the number of processes")
+    dp = world_size // model_parallel
+    if config.ppo_mini_batch_size % dp:
+        _fail("ppo_mini_batch_size", config.ppo_mini_batch_size,
+              f"must be a multiple of the data-parallel size ({dp})")
+    vpp = mg.virtual_pipeline_model_parallel_size
+    if not config.use_dynamic_bsz:
+        per_rank = config.ppo_mini_batch_size // dp
+        micro = config.ppo_micro_batch_size_per_gpu
+        if per_rank % micro:
+            _fail("ppo_micro_batch_size_per_gpu", micro,
+                  f"must divide the mini-batch per data-parallel rank "
+                  f"(ppo_mini_batch_size {config.ppo_mini_batch_size} / {dp} ranks = {per_rank})")
+        if vpp and vpp > 1 and (per_rank // micro) % mg.pipeline_model_parallel_size:
+            _fail("ppo_micro_batch_size_per_gpu", micro,
+                  f"the interleaved pipeline needs a multiple of pipeline_model_parallel_size "
+                  f"({mg.pipeline_model_parallel_size}) micro-batches per mini-batch; got {per_rank // micro}")
+    return dp

@@ -1,0 +1,262 @@
+"""MegatronPPOCritic: values of rollout tokens, and PPO value-function updates, on Megatron-Core.
+
+The path of a batch: checked (:mod:`megacritic.batch`) and broadcast from the last pipeline rank ->
+split into mini-batches (epochs, seeded shuffle) -> loss weights computed over the whole mini-batch
+(:mod:`megacritic.losses`) -> this data-parallel rank's shard -> micro-batches (:mod:`megacritic.batching`)
+-> Megatron's pipeline schedule (forward, loss, backward, gradient reduction) -> optimizer step ->
+metrics reduced once per step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megacritic.batch import Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch, BatchError
+from megacritic.batching import MicroBatch, build_micro_batch, plan_micro_batches
+from megacritic.config import CriticConfig
+from megacritic.losses import STAT_KEYS, metrics_from_sums, stack_stats, token_weights, value_loss_and_stats
+from megacritic.partition import reverse_index
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout of this run, derived once from the config and the world size."""
+
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+    vpp: int  # model chunks per pipeline rank (1 without interleaving)
+    dp: int
+    dp_rank: int
+    sequence_parallel: bool
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def is_last_stage(self) -> bool:
+        return mpu.is_pipeline_last_stage(ignore_virtual=True)
+
+    @property
+    def fixed_micro_batch_shape(self) -> bool:
+        # With two stages the interleaved schedule's previous and next peer are the same rank, and
+        # megatron-core 0.16 mismatches the shape messages of the two directions: every micro-batch
+        # of a mini-batch must then have the same shape (variable_seq_lengths off).
+        return self.pp == 2 and self.vpp > 1
+
+    @property
+    def variable_seq_lengths(self) -> bool:
+        return self.pp > 1 and not self.fixed_micro_batch_shape
+
+    @property
+    def micro_batch_multiple(self) -> int:
+        return self.pp if self.vpp > 1 else 1
+
+
+class MegatronPPOCritic:
+    def __init__(self, config: CriticConfig, layout: Layout, model: list, optimizer=None, scheduler=None):
+        self.config = config
+        self.layout = layout
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.update_calls = 0
+
+    # ---------------------------------------------------------------- public calls
+
+    @torch.no_grad()
+    def compute_values(self, data) -> torch.Tensor:
+        """Values of the response tokens, float32 [B, R], zero outside the response; on every rank."""
+        rollouts = self._receive(data, need_targets=False)
+        rows = dp_shard(torch.arange(len(rollouts)), self.layout.dp_rank, self.layout.dp)
+        local = rollouts.select(rows)
+        modes = [chunk.training for chunk in self.model]
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            parts, outputs = self.forward_backward_batch(local, forward_only=True)
+        finally:
+            for chunk, mode in zip(self.model, modes):
+                chunk.train(mode)
+        shape = (len(rollouts), rollouts.response_width)
+        values = torch.empty(shape, dtype=torch.float32, device=self.layout.device)
+        if self.layout.is_last_stage:
+            local_values = torch.cat([o["values"][: len(p)] for o, p in zip(outputs, parts)])
+            local_values = local_values[reverse_index(parts).to(local_values.device)]
+            dist.all_gather_into_tensor(values, local_values.contiguous(), group=mpu.get_data_parallel_group())
+        self._broadcast_from_last_stage(values)
+        return values.cpu()
+
+    def update_critic(self, data) -> dict[str, list[float]]:
+        """PPO value updates over ``ppo_epochs`` x mini-batches of ``data``; one optimizer step each.
+
+        ``data`` is one batch or an iterable of batches. Returns verl's metric names, one value per step.
+        """
+        batches = [data] if _is_batch(data) else list(data)
+        checked = [self._receive(b, need_targets=True) for b in batches]  # all refused before any step
+        metrics: dict[str, list[float]] = defaultdict(list)
+        cfg = self.config
+        for rollouts in checked:
+            for rows in mini_batch_indices(len(rollouts), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle,
+                                           cfg.data_loader_seed, call_index=self.update_calls):
+                mini = rollouts.select(rows)
+                weights = token_weights(mini.response_mask, cfg.loss_agg_mode)
+                local_rows = dp_shard(torch.arange(len(mini)), self.layout.dp_rank, self.layout.dp)
+                step = self.train_step(mini.select(local_rows), weights[local_rows], int(mini.seq_lens.sum()))
+                for k, v in step.items():
+                    metrics[k].append(v)
+            self.update_calls += 1
+        return dict(metrics)
+
+    # ---------------------------------------------------------------- one optimizer step
+
+    def train_step(self, local: Rollouts, weights: torch.Tensor, global_tokens: int) -> dict[str, float]:
+        start = time.perf_counter()
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        _, outputs = self.forward_backward_batch(local, forward_only=False, weights=weights)
+        sums = self._reduce_stats(outputs)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self._grads_finite():
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            skipped = 0.0
+        else:
+            # A non-finite loss or gradient would poison the weights: keep them, report the step.
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            grad_norm, skipped = float("nan"), 1.0
+        elapsed = time.perf_counter() - start
+        metrics = metrics_from_sums(sums)
+        metrics.update({
+            "critic/grad_norm": float(grad_norm),
+            "critic/lr": float(lr),
+            "critic/skipped_steps": skipped,
+            "perf/real_tokens": float(global_tokens),
+            "perf/tokens_per_s": global_tokens / elapsed,
+            "timing_s/step": elapsed,
+        })
+        return metrics
+
+    # ---------------------------------------------------------------- Megatron schedule
+
+    def forward_backward_batch(self, local: Rollouts, forward_only: bool, weights: torch.Tensor | None = None):
+        """Run this rank's rollouts through Megatron's schedule in micro-batches.
+
+        Returns (partitions, per-micro-batch outputs of the loss function; empty off the last stage).
+        """
+        cfg, layout = self.config, self.layout
+        if cfg.use_dynamic_bsz:
+            budget = cfg.ppo_max_token_len_per_gpu
+            if forward_only:
+                budget = cfg.forward_max_token_len_per_gpu or budget
+            size = None
+        else:
+            budget = None
+            size = cfg.ppo_micro_batch_size_per_gpu
+            if forward_only:
+                size = cfg.forward_micro_batch_size_per_gpu or size
+            if len(local) % size:
+                raise BatchError(f"{len(local)} rollouts per data-parallel rank are not a multiple of the "
+                                 f"micro-batch size {size}")
+        parts = plan_micro_batches(local.seq_lens.tolist(), micro_batch_size=size, max_tokens=budget,
+                                   multiple_of=layout.micro_batch_multiple, max_over_ranks=self._max_over_dp)
+        seq_multiple = layout.tp if layout.sequence_parallel else 1
+        pad_to = None
+        if layout.fixed_micro_batch_shape:
+            longest = int(local.seq_lens.max())
+            pad_to = (max(len(p) for p in parts), -(-longest // seq_multiple) * seq_multiple)
+        micro_batches = [build_micro_batch(local, p, seq_multiple=seq_multiple, pad_to=pad_to, weights=weights,
+                                           device=layout.device) for p in parts]
+        shape_b = max(mb.input_ids.shape[0] for mb in micro_batches)
+        shape_s = max(mb.input_ids.shape[1] for mb in micro_batches)
+        iterators = [iter(micro_batches) for _ in self.model]
+        outputs = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, forward_only),
+            data_iterator=iterators if len(self.model) > 1 else iterators[0],
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=shape_s,
+            micro_batch_size=shape_b,
+            forward_only=forward_only,
+        )
+        return parts, outputs
+
+    def _forward_step(self, forward_only: bool, data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        # Rotary positions are 0..s-1 per row (rows are left-aligned), so no position ids or mask.
+        output = model(input_ids=mb.input_ids, position_ids=None, attention_mask=None)
+        return output, partial(self._loss, mb, forward_only)
+
+    def _loss(self, mb: MicroBatch, forward_only: bool, output: torch.Tensor):
+        vpreds = output.squeeze(-1).gather(1, mb.value_index)  # [b, R] float32
+        one = torch.ones((), dtype=torch.int, device=output.device)
+        if forward_only:
+            return vpreds.sum() * 0, one, {"values": (vpreds * mb.value_mask).detach()}
+        loss, stats = value_loss_and_stats(vpreds, mb.values, mb.returns, mb.weights, mb.loss_mask,
+                                           self.config.cliprange_value)
+        return loss, one, stats
+
+    # ---------------------------------------------------------------- communication
+
+    def _receive(self, data, need_targets: bool) -> Rollouts:
+        """Check the batch, then take the last pipeline rank's copy (so every stage sees the same data)."""
+        rollouts = rollouts_from_batch(data, need_targets, vocab_size=self.config.model.vocab_size)
+        if self.layout.pp == 1:
+            return rollouts
+        group, device = mpu.get_pipeline_model_parallel_group(), self.layout.device
+        shape = torch.tensor([*rollouts.input_ids.shape, rollouts.response_width, int(need_targets)], device=device)
+        shapes = [torch.empty_like(shape) for _ in range(self.layout.pp)]
+        dist.all_gather(shapes, shape, group=group)
+        if any(not torch.equal(s, shape) for s in shapes):
+            raise BatchError(f"pipeline ranks were given batches of different shapes: {[s.tolist() for s in shapes]}")
+        for tensor in rollouts.tensors().values():
+            on_device = tensor.to(device)
+            dist.broadcast(on_device, src=mpu.get_pipeline_model_parallel_last_rank(), group=group)
+            tensor.copy_(on_device)
+        return rollouts
+
+    def _broadcast_from_last_stage(self, tensor: torch.Tensor) -> None:
+        if self.layout.pp > 1:
+            dist.broadcast(tensor, src=mpu.get_pipeline_model_parallel_last_rank(),
+                           group=mpu.get_pipeline_model_parallel_group())
+
+    def _reduce_stats(self, outputs: list[dict]) -> torch.Tensor:
+        """Stat sums of the whole mini-batch on every rank: over micro-batches, DP ranks, then PP."""
+        sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.layout.device)
+        if self.layout.is_last_stage:
+            sums = stack_stats(outputs, self.layout.device)
+            dist.all_reduce(sums, group=mpu.get_data_parallel_group())
+        self._broadcast_from_last_stage(sums)
+        return sums
+
+    def _grads_finite(self) -> bool:
+        bad = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+        for chunk in self.model:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                bad += (~torch.isfinite(buffer.grad_data)).any()
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bad.item() == 0
+
+    def _max_over_dp(self, value: int) -> int:
+        if self.layout.dp == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group_gloo())
+        return int(t.item())
+
+
+def _is_batch(data) -> bool:
+    from tensordict import TensorDict
+    return isinstance(data, TensorDict) or isinstance(getattr(data, "batch", None), TensorDict)

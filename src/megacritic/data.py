@@ -1,0 +1,51 @@
+"""The embedded rollout task of ``megacritic train``: synthetic rollouts whose returns a critic can learn.
+
+Each token id v carries a fixed reward r(v) in {-1, +1} (drawn from ``data_loader_seed``). The return of
+response token j is the mean reward of every token *before* it (the prompt and response tokens 0..j-1):
+exactly the prefix the critic sees when it predicts that token's value, so a perfect critic reaches an
+explained variance of 1. Batches come in verl's layout (left-padded prompts, right-padded responses) and
+are identical for every parallel layout: they depend only on the seed and the iteration.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from megacritic.config import CriticConfig
+
+
+class SyntheticRollouts:
+    def __init__(self, config: CriticConfig):
+        self.vocab_size = config.model.vocab_size
+        self.batch_size = config.data.rollouts_per_step
+        self.prompt_range = tuple(config.data.prompt_length)
+        self.response_range = tuple(config.data.response_length)
+        self.seed = config.data_loader_seed if config.data_loader_seed is not None else 0
+        gen = torch.Generator().manual_seed(self.seed)
+        self.token_reward = torch.randint(0, 2, (self.vocab_size,), generator=gen).float() * 2 - 1
+
+    def batch(self, iteration: int) -> TensorDict:
+        gen = torch.Generator().manual_seed(self.seed * 7919 + iteration + 1)
+        b, (p_lo, p_hi), (r_lo, r_hi) = self.batch_size, self.prompt_range, self.response_range
+        p_len = torch.randint(p_lo, p_hi + 1, (b,), generator=gen)
+        r_len = torch.randint(r_lo, r_hi + 1, (b,), generator=gen)
+        tokens = torch.randint(0, self.vocab_size, (b, p_hi + r_hi), generator=gen)
+        cols_p, cols_r = torch.arange(p_hi), torch.arange(r_hi)
+        prompt_mask = cols_p[None, :] >= (p_hi - p_len)[:, None]      # left-padded
+        response_mask = cols_r[None, :] < r_len[:, None]               # right-padded
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+        input_ids = tokens * attention_mask
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+
+        rewards = self.token_reward[input_ids] * attention_mask
+        prefix_sum = rewards.cumsum(1) - rewards        # rewards strictly before each position
+        prefix_len = attention_mask.cumsum(1) - attention_mask
+        returns = (prefix_sum / prefix_len.clamp(min=1))[:, p_hi:] * response_mask
+        return TensorDict({
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "responses": input_ids[:, p_hi:],
+            "returns": returns.float(),
+        }, batch_size=[b])

@@ -1,0 +1,137 @@
+"""The value model: Megatron-Core's GPTModel (Llama / Qwen2 family) with a scalar value head.
+
+``build_value_model`` returns this rank's model chunks (one per virtual pipeline stage), with our
+attention and norm plugged in through the layer spec and the value head on the last stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from megacritic.config import ModelConfig, head_dim
+from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead
+
+
+def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, sequence_parallel: bool,
+                       dtype: torch.dtype, on_cpu: bool, variable_seq_lengths: bool) -> TransformerConfig:
+    """Megatron's TransformerConfig for a Llama / Qwen2-shaped decoder."""
+    return TransformerConfig(
+        num_layers=model.num_hidden_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.intermediate_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_key_value_heads,
+        kv_channels=head_dim(model),
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.attention_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=on_cpu,
+        perform_initialization=False,  # weights come from megacritic.model.weights
+        # Loss normalisation is global (megacritic.losses): Megatron must neither divide the loss by the
+        # number of micro-batches nor average gradients over data-parallel ranks.
+        calculate_per_token_loss=True,
+        variable_seq_lengths=variable_seq_lengths,
+        # megatron-core 0.16 rejects variable_seq_lengths unless this is set, even for dense models.
+        moe_token_dispatcher_type="alltoall",
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def layer_spec() -> ModuleSpec:
+    """A Llama / Qwen2 decoder layer built from Megatron modules, with our attention and norm."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=SDPAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+                linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Megatron's vocab-parallel embedding needs a vocabulary divisible by TP; extra rows stay unused."""
+    return -(-vocab_size // tp) * tp
+
+
+class ValueModel(GPTModel):
+    """GPTModel whose last stage ends in :class:`ValueHead`; ``forward`` returns values [b, s, 1] float32."""
+
+    def __init__(self, config: TransformerConfig, model: ModelConfig, *, pre_process: bool, post_process: bool,
+                 vp_stage: int | None):
+        layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+        spec = TransformerBlockSubmodules(layer_specs=[layer_spec()] * layers, layer_norm=RMSNorm)
+        super().__init__(
+            config,
+            spec,
+            vocab_size=padded_vocab_size(model.vocab_size, config.tensor_model_parallel_size),
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            rotary_base=model.rope_theta,
+            vp_stage=vp_stage,
+        )
+        if post_process:
+            # GPTModel always builds a vocabulary projection; the critic swaps it for the value head
+            # (the projection's memory is released here, before any optimizer state exists).
+            self.output_layer = ValueHead(config, model.hidden_size)
+
+
+def build_value_model(model: ModelConfig, config: TransformerConfig) -> list[ValueModel]:
+    """This rank's model chunks (one per virtual pipeline stage), weights uninitialised."""
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for stage in range(vpp):
+        vp_stage = stage if vpp > 1 else None
+        chunks.append(ValueModel(
+            config, model,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        ))
+    return chunks

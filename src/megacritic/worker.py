@@ -1,0 +1,161 @@
+"""CriticWorker: builds the critic (distributed setup, model, optimizer, LR schedule) and serves its calls.
+
+Works under ``torchrun`` (one process per GPU, or per CPU rank with gloo) and in a plain Python process,
+where it sets up a world of one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megacritic.backend.cpu import enable_cpu_backend
+from megacritic.config import ConfigError, CriticConfig, validate, validate_layout
+from megacritic.critic import Layout, MegatronPPOCritic
+from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
+from megacritic.model.weights import load_full_weights, seeded_initializer
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> bool:
+    """Join the torchrun world, or create a world of one. Returns True if this call created it."""
+    if dist.is_initialized():
+        return False
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    else:
+        if cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    return True
+
+
+def optimizer_steps(config: CriticConfig) -> int:
+    """Optimizer steps the LR schedule spans: optim.total_training_steps, or what trainer.* implies."""
+    if config.optim.total_training_steps > 0:
+        return config.optim.total_training_steps
+    per_iteration = config.data.rollouts_per_step // config.ppo_mini_batch_size * config.ppo_epochs
+    return config.trainer.steps * per_iteration
+
+
+class _FinalizeGrads:
+    """Megatron's grad finalisation (DP reduction, SP norm all-reduce) without its per-token scaling:
+    our loss is already normalised over the whole mini-batch (megacritic.losses)."""
+
+    def __call__(self, model, num_tokens=None, **kwargs):
+        finalize_model_grads(model, None, **kwargs)
+
+
+class CriticWorker:
+    """verl's CriticWorker interface: ``init_model()``, then ``compute_values`` / ``update_critic``."""
+
+    def __init__(self, config: CriticConfig):
+        validate(config)
+        self.config = config
+        self.layout: Layout | None = None
+        self.critic: MegatronPPOCritic | None = None
+        self._owns_process_group = False
+
+    def init_model(self) -> None:
+        cfg, mg = self.config, self.config.megatron
+        # 1. Distributed world and Megatron's parallel state (checked before anything is built).
+        world = int(os.environ.get("WORLD_SIZE", 1)) if not dist.is_initialized() else dist.get_world_size()
+        dp = validate_layout(cfg, world)
+        self._check_schedule()
+        self._owns_process_group = init_distributed()
+        on_cpu = enable_cpu_backend()
+        vpp = mg.virtual_pipeline_model_parallel_size if (mg.virtual_pipeline_model_parallel_size or 1) > 1 else None
+        mpu.initialize_model_parallel(mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size,
+                                      virtual_pipeline_model_parallel_size=vpp)
+        model_parallel_cuda_manual_seed(mg.seed)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+            cfg.model.dtype, torch.float32 if on_cpu else torch.bfloat16)
+        tp = mg.tensor_model_parallel_size
+        self.layout = layout = Layout(
+            world_size=world, rank=dist.get_rank(), tp=tp, pp=mg.pipeline_model_parallel_size, vpp=vpp or 1,
+            dp=dp, dp_rank=mpu.get_data_parallel_rank(), sequence_parallel=mg.sequence_parallel and tp > 1,
+            device=torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device()),
+            dtype=dtype)
+
+        # 2. Model chunks with our spec, weights from the seed (identical for every layout).
+        tconfig = transformer_config(cfg.model, tp=tp, pp=layout.pp, vpp=vpp,
+                                     sequence_parallel=layout.sequence_parallel, dtype=dtype, on_cpu=on_cpu,
+                                     variable_seq_lengths=layout.variable_seq_lengths)
+        chunks = build_value_model(cfg.model, tconfig)
+        load_full_weights(chunks, seeded_initializer(cfg.model, mg.seed), cfg.model,
+                          mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp))
+
+        # 3. Megatron DDP: contiguous fp32 gradient buffers, reduced once per step.
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=mg.use_distributed_optimizer)
+        model = [DistributedDataParallel(tconfig, ddp_config, chunk) for chunk in chunks]
+        tconfig.finalize_model_grads_func = _FinalizeGrads()
+
+        # 4. Optimizer (Adam, distributed over DP by default) and 5. LR schedule.
+        o = cfg.optim
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
+            # clip_grad=0 disables clipping; an infinite threshold keeps Megatron measuring the norm.
+            clip_grad=o.clip_grad if o.clip_grad > 0 else math.inf,
+            bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            use_distributed_optimizer=mg.use_distributed_optimizer), model)
+        total, warmup = self._schedule_steps()
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if warmup else o.lr, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
+            lr_decay_steps=total, lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay,
+            end_wd=o.weight_decay, wd_incr_steps=total, wd_incr_style="constant")
+
+        # 6. The critic itself.
+        self.critic = MegatronPPOCritic(cfg, layout, model, optimizer, scheduler)
+
+    def _schedule_steps(self) -> tuple[int, int]:
+        o = self.config.optim
+        total = optimizer_steps(self.config)
+        warmup = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total)
+        return total, warmup
+
+    def _check_schedule(self) -> None:
+        total, warmup = self._schedule_steps()
+        if warmup >= total:
+            raise ConfigError(f"optim.lr_warmup_steps: warm-up of {warmup} steps must be shorter than the "
+                              f"{total} optimizer steps of the schedule (optim.total_training_steps / trainer.steps)")
+
+    def _require_model(self) -> MegatronPPOCritic:
+        if self.critic is None:
+            raise RuntimeError("call CriticWorker.init_model() first")
+        return self.critic
+
+    def compute_values(self, data) -> torch.Tensor:
+        return self._require_model().compute_values(data)
+
+    def update_critic(self, data) -> dict[str, list[float]]:
+        return self._require_model().update_critic(data)
+
+    def close(self) -> None:
+        """Tear down Megatron's parallel state (and the process group if this worker created it)."""
+        if self.critic is not None:
+            mpu.destroy_model_parallel()
+            self.critic = None
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
