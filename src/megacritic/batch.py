@@ -101,9 +101,10 @@ def rollouts_from_batch(data, need_targets: bool, vocab_size: int | None = None)
         raise BatchError(f"responses has shape {tuple(responses.shape)}; expected [{b}, R] with 0 < R < {t}")
     r = responses.shape[1]
     p = t - r
+    bad = ((attention_mask != 0) & (attention_mask != 1)).any(1)
+    if bad.any():
+        raise BatchError(f"attention_mask must be 0/1; rows {_rows(bad)}")
     mask = attention_mask.to(torch.int64)
-    if ((mask != 0) & (mask != 1)).any():
-        raise BatchError(f"attention_mask must be 0/1; rows {_rows(((mask != 0) & (mask != 1)).any(1))}")
     prompt_mask, resp_mask_attn = mask[:, :p], mask[:, p:]
     bad = _monotone(prompt_mask, increasing=True)
     if bad.any():
@@ -113,7 +114,7 @@ def rollouts_from_batch(data, need_targets: bool, vocab_size: int | None = None)
         raise BatchError(f"attention_mask: responses must be right-padded (1s then 0s); rows {_rows(bad)}")
     prompt_lens, response_lens = prompt_mask.sum(1), resp_mask_attn.sum(1)
     if (prompt_lens == 0).any():
-        raise BatchError(f"every rollout needs at least one prompt token; empty prompts in rows "
+        raise BatchError(f"attention_mask: every rollout needs at least one prompt token; empty prompts in rows "
                          f"{_rows(prompt_lens == 0)}")
     if not torch.equal(input_ids[:, p:], responses.to(input_ids.dtype)):
         raise BatchError("responses must equal the last R columns of input_ids")

@@ -43,7 +43,12 @@ def plan_micro_batches(seq_lens: list[int], *, micro_batch_size: int | None, max
     number of micro-batches (``max_over_ranks`` is an all-reduce MAX over them), a multiple of
     ``multiple_of`` (the interleaved pipeline's group size)."""
     if max_tokens is None:
-        return fixed_partitions(len(seq_lens), micro_batch_size)
+        parts = fixed_partitions(len(seq_lens), micro_batch_size)
+        if len(parts) % multiple_of:
+            raise BatchError(f"{len(seq_lens)} rollouts per rank in micro-batches of {micro_batch_size} make "
+                             f"{len(parts)} micro-batches; the interleaved pipeline needs a multiple of "
+                             f"{multiple_of} (ppo_micro_batch_size_per_gpu / forward_micro_batch_size_per_gpu)")
+        return parts
     count = 1
     while True:
         agreed = max_over_ranks(count)

@@ -44,7 +44,9 @@ def token_weights(response_mask: Tensor, mode: str, horizon: int | None = None) 
 
 def clipped_value_loss(vpreds: Tensor, values: Tensor, returns: Tensor, cliprange_value: float):
     """Per-token PPO value loss ``0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2)`` and clip indicator."""
-    vpreds_clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)
+    # clamp(V, lo, hi) returns V itself inside the range, so an unclipped token never counts as clipped
+    # through rounding (values + clamp(V - values) would not be bit-exact).
+    vpreds_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     unclipped = (vpreds - returns) ** 2
     clipped = (vpreds_clipped - returns) ** 2
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped)

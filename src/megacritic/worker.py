@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 
 def init_distributed() -> bool:
-    """Join the torchrun world, or create a world of one. Returns True if this call created it."""
+    """Join the torchrun world, or create a world of one. Returns True if this call created a world of one
+    (which :meth:`CriticWorker.close` then tears down; a torchrun world stays up for the process)."""
     if dist.is_initialized():
         return False
     cuda = torch.cuda.is_available()
@@ -42,6 +43,7 @@ def init_distributed() -> bool:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
+        return False
     else:
         if cuda:
             torch.cuda.set_device(0)

@@ -51,11 +51,18 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu,
-        perform_initialization=False,  # weights come from megacritic.model.weights
+        # Our weights come from megacritic.model.weights and overwrite these, but Megatron tags its
+        # tensor-parallel weights (tensor_model_parallel, partition_dim) only while initialising them;
+        # without the tags the grad norm would count every TP shard as a duplicate.
+        perform_initialization=True,
         # Loss normalisation is global (megacritic.losses): Megatron must neither divide the loss by the
         # number of micro-batches nor average gradients over data-parallel ranks.
         calculate_per_token_loss=True,
         variable_seq_lengths=variable_seq_lengths,
+        # With two stages a rank's previous and next peer are the same rank; batched p2p (one
+        # batch_isend_irecv) then lets the two directions' messages match the wrong receives. Plain
+        # p2p ops are issued in a fixed even/odd order that pairs them correctly.
+        batch_p2p_comm=not (pp == 2 and (vpp or 1) > 1),
         # megatron-core 0.16 rejects variable_seq_lengths unless this is set, even for dense models.
         moe_token_dispatcher_type="alltoall",
         bias_activation_fusion=False,
