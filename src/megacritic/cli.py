@@ -16,13 +16,20 @@ import math
 import os
 import sys
 import time
+import warnings
 
-import torch.distributed as dist
-from tqdm import tqdm
+# Deprecation notices that Megatron-Core's own internals trigger (collective names, its config defaults,
+# its optimizer probing non-leaf .grad): nothing a CLI user can act on.
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+warnings.filterwarnings("ignore", category=UserWarning,
+                        module=r"megatron\.core\.(transformer\.transformer_config|optimizer\.optimizer)$")
 
-from megacritic.config import ConfigError, load_config, to_dict
-from megacritic.data import SyntheticRollouts
-from megacritic.worker import CriticWorker
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from megacritic.config import ConfigError, load_config, to_dict  # noqa: E402
+from megacritic.data import SyntheticRollouts  # noqa: E402
+from megacritic.worker import CriticWorker  # noqa: E402
 
 
 def _finite_or_none(x: float):

@@ -1,0 +1,98 @@
+"""CriticWorker in a plain Python process (a world of one): the public calls and their contracts."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from megacritic import BatchError, CriticWorker, load_config
+from megacritic.data import SyntheticRollouts
+
+OVERRIDES = ["data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2",
+             "ppo_epochs=2", "model.num_hidden_layers=2", "data.response_length=[2,10]"]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = CriticWorker(load_config(OVERRIDES))
+    w.init_model()
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def batch(worker):
+    return SyntheticRollouts(worker.config).batch(0)
+
+
+def _params(worker):
+    return [p.detach().clone() for chunk in worker.critic.model for p in chunk.parameters()]
+
+
+def _optimizer_state(worker):
+    return [v.clone() for s in worker.critic.optimizer.optimizer.state.values() for v in s.values()
+            if torch.is_tensor(v)]
+
+
+def test_compute_values_contract(worker, batch):
+    for chunk in worker.critic.model:
+        chunk.train()
+    values = worker.compute_values(batch)
+    r = batch["responses"].shape[1]
+    assert values.shape == (len(batch), r) and values.dtype == torch.float32
+    response_mask = batch["attention_mask"][:, -r:]
+    assert torch.all(values[response_mask == 0] == 0)
+    assert torch.all(values[response_mask == 1] != 0)
+    assert all(chunk.training for chunk in worker.critic.model)  # previous mode restored
+    assert torch.equal(values, worker.compute_values(batch))  # deterministic
+
+
+class DataProtoLike:
+    def __init__(self, batch):
+        self.batch, self.meta_info = batch, {}
+
+
+def test_update_critic_metrics(worker, batch):
+    batch["values"] = worker.compute_values(batch)
+    before = _params(worker)
+    metrics = worker.update_critic(DataProtoLike(batch))
+    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
+                "critic/vf_explained_var"):
+        assert len(metrics[key]) == 4  # 2 epochs x 2 mini-batches, one optimizer step each
+    assert metrics["critic/skipped_steps"] == [0.0] * 4
+    assert any(not torch.equal(a, b) for a, b in zip(before, _params(worker)))
+
+
+def test_refused_batch_changes_nothing(worker, batch):
+    batch["values"] = worker.compute_values(batch)
+    params, state, calls = _params(worker), _optimizer_state(worker), worker.critic.update_calls
+    bad = batch.clone()
+    bad["returns"][0, 0] = float("nan")
+    with pytest.raises(BatchError, match="returns"):
+        worker.update_critic(bad)
+    missing = TensorDict({k: v for k, v in batch.items() if k != "values"}, batch_size=batch.batch_size)
+    with pytest.raises(BatchError, match="values"):
+        worker.update_critic([batch, missing])  # the good first batch must not be applied either
+    assert all(torch.equal(a, b) for a, b in zip(params, _params(worker)))
+    assert all(torch.equal(a, b) for a, b in zip(state, _optimizer_state(worker)))
+    assert worker.critic.update_calls == calls
+
+
+def test_non_finite_gradient_skips_the_step(worker, batch):
+    rollouts = worker.critic._receive(batch.update({"values": worker.compute_values(batch)}), need_targets=True)
+    mini = rollouts.select(torch.arange(4))
+    weights = torch.full(mini.response_mask.shape, float("nan"), dtype=torch.float64)
+    params, state = _params(worker), _optimizer_state(worker)
+    metrics = worker.critic.train_step(mini, weights, int(mini.seq_lens.sum()))
+    assert metrics["critic/skipped_steps"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(params, _params(worker)))
+    assert all(torch.equal(a, b) for a, b in zip(state, _optimizer_state(worker)))
+    # and the next healthy step works
+    ok = worker.critic.train_step(mini, torch.full_like(weights, 1.0 / mini.response_mask.sum()),
+                                  int(mini.seq_lens.sum()))
+    assert ok["critic/skipped_steps"] == 0.0 and ok["critic/grad_norm"] > 0
+
+
+def test_calls_before_init_model_are_errors():
+    w = CriticWorker(load_config(OVERRIDES))
+    with pytest.raises(RuntimeError, match="init_model"):
+        w.compute_values(None)
