@@ -77,6 +77,9 @@ _CPU_CHECKS = textwrap.dedent(
                 optimizer.Float16OptimizerWithFloat16Params.__init__,
                 distrib.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"].__func__) == wrapped
         assert not hasattr(wrapped[0].__wrapped__, "__wrapped__"), "wrapped twice"
+        # The wrapped classmethod is still callable through the class, and leaves .type() as it was.
+        assert distrib.DistributedOptimizer._build_model_and_main_param_groups([], {}, [], None) == ([],) * 5
+        assert torch.Tensor.type is ORIGINAL_TYPE
         # What Megatron sees.
         assert proxy is not torch
         t = schedules.torch.zeros(1, device="cuda")

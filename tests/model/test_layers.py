@@ -1,0 +1,212 @@
+"""megacritic.model.layers against float64 references: SDPAttention, RMSNorm, ValueHead.
+
+Building these modules needs only a Megatron TransformerConfig (no process group, no parallel state).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+
+from megacritic.config import ModelConfig
+from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead
+from megacritic.model.value_model import transformer_config
+
+
+def _config(dtype=torch.float32, *, tp=1, sequence_parallel=False, **model):
+    return transformer_config(ModelConfig(**model), tp=tp, pp=1, vpp=None, sequence_parallel=sequence_parallel,
+                              dtype=dtype, on_cpu=True, variable_seq_lengths=False)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return _config()
+
+
+@pytest.fixture(scope="module")
+def config_bf16():
+    return _config(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------------
+# SDPAttention
+
+
+def _reference_attention(q, k, v, scale=None):
+    """Naive causal GQA attention in float64; q [s, b, heads, d], k/v [s, b, groups, d] -> [s, b, heads*d]."""
+    s, b, heads, d = q.shape
+    groups = k.shape[2]
+    q, k, v = (t.double() for t in (q, k, v))
+    # Query heads of a group are contiguous: head i uses kv head i // (heads // groups).
+    k = k.repeat_interleave(heads // groups, dim=2)
+    v = v.repeat_interleave(heads // groups, dim=2)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty(s, b, heads, d, dtype=torch.float64)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    for bi in range(b):
+        for h in range(heads):
+            scores = (q[:, bi, h] @ k[:, bi, h].T) * scale  # [s_q, s_k]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            out[:, bi, h] = torch.softmax(scores, dim=-1) @ v[:, bi, h]
+    return out.reshape(s, b, heads * d)
+
+
+@pytest.mark.parametrize("heads,groups", [(4, 2), (4, 4), (4, 1)])
+@pytest.mark.parametrize("softmax_scale", [None, 0.3])
+def test_sdpa_attention_matches_naive_reference(config, heads, groups, softmax_scale):
+    s, b, d = 7, 3, 8
+    gen = torch.Generator().manual_seed(heads * 10 + groups)
+    q = torch.randn(s, b, heads, d, generator=gen)
+    k = torch.randn(s, b, groups, d, generator=gen)
+    v = torch.randn(s, b, groups, d, generator=gen)
+    attn = SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                        softmax_scale=softmax_scale)
+    out = attn(q, k, v, attention_mask=None)
+    assert out.shape == (s, b, heads * d)
+    assert out.dtype == torch.float32
+    ref = _reference_attention(q, k, v, softmax_scale)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_attention_gqa_head_order_matters(config):
+    """Guard against a reference that could not tell head orders apart: swapping the kv heads changes
+    the output of the query heads that use them."""
+    s, b, d = 5, 1, 4
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(s, b, 4, d, generator=gen)
+    k = torch.randn(s, b, 2, d, generator=gen)
+    v = torch.randn(s, b, 2, d, generator=gen)
+    attn = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    out = attn(q, k, v, None).reshape(s, b, 4, d)
+    swapped = attn(q, k.flip(2), v.flip(2), None).reshape(s, b, 4, d)
+    assert not torch.allclose(out[:, :, :2], swapped[:, :, :2])
+    # Heads 0,1 use kv head 0, heads 2,3 use kv head 1.
+    torch.testing.assert_close(out[:, :, :2].double(), _reference_attention(q, k, v).reshape(s, b, 4, d)[:, :, :2],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_attention_is_causal(config):
+    s, b, h, d = 6, 2, 2, 4
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(s, b, h, d, generator=gen) for _ in range(3))
+    attn = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    out = attn(q, k, v, None)
+    k2, v2 = k.clone(), v.clone()
+    k2[-1] += 10.0
+    v2[-1] += 10.0  # changing the last position cannot affect earlier ones
+    out2 = attn(q, k2, v2, None)
+    torch.testing.assert_close(out[:-1], out2[:-1])
+    assert not torch.allclose(out[-1], out2[-1])
+
+
+def test_sdpa_attention_rejects_packed_sequences(config):
+    attn = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    x = torch.zeros(2, 1, 1, 4)
+    with pytest.raises(NotImplementedError):
+        attn(x, x, x, None, packed_seq_params=object())
+
+
+# --------------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+def _reference_rmsnorm(x, w, eps):
+    x, w = x.double(), w.double()
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-1])
+def test_rmsnorm_float32(config, eps):
+    hidden = 32
+    gen = torch.Generator().manual_seed(2)
+    norm = RMSNorm(config, hidden, eps=eps)
+    assert norm.weight.dtype == torch.float32
+    torch.testing.assert_close(norm.weight.detach(), torch.ones(hidden))  # starts at one
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    x = torch.randn(5, 3, hidden, generator=gen) * 0.5
+    out = norm(x)
+    assert out.shape == x.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _reference_rmsnorm(x, norm.weight.detach(), eps), rtol=1e-5, atol=1e-6)
+
+
+def test_rmsnorm_bfloat16(config_bf16):
+    hidden = 32
+    eps = config_bf16.layernorm_epsilon
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(config_bf16, hidden, eps=eps)
+    assert norm.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=gen))
+    x = (torch.randn(5, 3, hidden, generator=gen) * 3).bfloat16()
+    out = norm(x)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _reference_rmsnorm(x, norm.weight.detach(), eps), rtol=1e-2, atol=1e-2)
+
+
+def test_rmsnorm_default_eps_is_1e_6(config):
+    assert RMSNorm(config, 4).eps == 1e-6
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_rmsnorm_weight_carries_sequence_parallel_flag(sequence_parallel):
+    # Megatron refuses sequence parallelism without tensor parallelism; the config alone needs no world.
+    cfg = _config(tp=2 if sequence_parallel else 1, sequence_parallel=sequence_parallel)
+    assert cfg.sequence_parallel is sequence_parallel
+    norm = RMSNorm(cfg, 8)
+    assert norm.weight.sequence_parallel == cfg.sequence_parallel
+    assert norm.weight.device.type == "cpu"
+
+
+# --------------------------------------------------------------------------------------------------
+# ValueHead
+
+
+def _randomize_head(head, gen):
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=gen))
+        head.bias.copy_(torch.randn(head.bias.shape, generator=gen))
+
+
+def test_value_head_float32(config):
+    hidden = 16
+    gen = torch.Generator().manual_seed(4)
+    head = ValueHead(config, hidden)
+    assert head.weight.shape == (1, hidden) and head.bias.shape == (1,)
+    torch.testing.assert_close(head.bias.detach(), torch.zeros(1))
+    _randomize_head(head, gen)
+    x = torch.randn(6, 2, hidden, generator=gen)
+    values, bias = head(x)
+    assert bias is None
+    assert values.shape == (6, 2, 1) and values.dtype == torch.float32
+    ref = x.double() @ head.weight.detach().double().T + head.bias.detach().double()
+    torch.testing.assert_close(values.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_value_head_bfloat16_params_compute_in_float32(config_bf16):
+    hidden = 16
+    gen = torch.Generator().manual_seed(5)
+    head = ValueHead(config_bf16, hidden)
+    assert head.weight.dtype == torch.bfloat16 and head.bias.dtype == torch.bfloat16
+    _randomize_head(head, gen)
+    x = torch.randn(6, 2, hidden, generator=gen).bfloat16()
+    values, bias = head(x)
+    assert bias is None
+    assert values.shape == (6, 2, 1) and values.dtype == torch.float32
+    # bf16 values are exact in float32 and float64, so the float32 product is close to the float64 one.
+    ref = x.double() @ head.weight.detach().double().T + head.bias.detach().double()
+    torch.testing.assert_close(values.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_value_head_backward_reaches_params(config):
+    gen = torch.Generator().manual_seed(6)
+    head = ValueHead(config, 8)
+    _randomize_head(head, gen)
+    x = torch.randn(3, 2, 8, generator=gen, requires_grad=True)
+    values, _ = head(x)
+    values.sum().backward()
+    torch.testing.assert_close(head.weight.grad, x.detach().sum((0, 1)).unsqueeze(0))
+    torch.testing.assert_close(head.bias.grad, torch.tensor([6.0]))
