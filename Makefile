@@ -26,7 +26,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 bench: setup
-	$(PY) bench/gpu_smoke.py
+	$(PY) -m megacritic bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

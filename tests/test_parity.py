@@ -1,7 +1,8 @@
 """Layout invariance on CPU (gloo): the same weights and global batches under every parallel layout give
 the same values, losses and gradient norms as one process. Each layout is one torchrun launch
-(tests/multiproc/parity_run.py), run once for the whole module; fixed and dynamic micro-batching are both
-compared against the single-process fixed run.
+(tests/multiproc/parity_run.py), run once for the whole module; fixed-size padded micro-batches and
+token-budget packed (THD) micro-batches are both compared against the single-process padded run, so the
+test also shows packed and padded paths agree.
 """
 
 import json

@@ -1,10 +1,15 @@
 """Micro-batching: which rollouts go together (fixed count or token budget), and the tensors each
 micro-batch feeds to the model and the loss.
 
-A micro-batch holds whole rollouts, left-aligned (the prompt's left padding removed) and right-padded to
-the micro-batch's longest sequence, so causal attention needs no mask and no token is wasted on another
-row's prompt padding. ``value_index`` says where each response token's value is read: the value of
-response token j of a rollout with p prompt tokens is the model output at position p - 1 + j (the state
+A micro-batch holds whole rollouts with their padding removed, in one of two layouts:
+
+* packed (THD, the default): the rollouts' real tokens concatenated into one sequence [1, t], with
+  ``cu_seqlens`` marking where each starts, so attention stays within a rollout and no token is padding;
+* padded: rollouts left-aligned and right-padded to the micro-batch's longest, [b, s]; causal attention
+  needs no mask because padding only ever follows real tokens.
+
+``value_index`` says where each response token's value is read in the flattened model output: the value
+of response token j of a rollout with p prompt tokens is the output at its position p - 1 + j (the state
 before the token), matching verl's ``values[:, -R-1:-1]``.
 """
 
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megacritic.batch import BatchError, Rollouts
@@ -22,18 +28,15 @@ from megacritic.partition import fixed_partitions, token_budget_partitions
 
 @dataclass
 class MicroBatch:
-    input_ids: Tensor         # [b, s]
-    value_index: Tensor       # [b, R] position of each response token's value in the output
+    input_ids: Tensor         # [b, s] padded, or [1, t] packed
+    packed: PackedSeqParams | None  # THD boundaries when packed
+    value_index: Tensor       # [b, R] index of each response token's value in the flattened output
     value_mask: Tensor        # [b, R] 1 on real response tokens (0 on padding and dummy rows)
     values: Tensor | None     # [b, R] old values (training only)
     returns: Tensor | None    # [b, R]
     weights: Tensor | None    # [b, R] loss aggregation weights (megacritic.losses.token_weights)
     loss_mask: Tensor | None  # [b, R]
     rows: int                 # real rollouts in this micro-batch (the rest are dummy rows)
-
-    @property
-    def tokens(self) -> int:
-        return self.input_ids.numel()
 
 
 def plan_micro_batches(seq_lens: list[int], *, micro_batch_size: int | None, max_tokens: int | None,
@@ -61,38 +64,65 @@ def plan_micro_batches(seq_lens: list[int], *, micro_batch_size: int | None, max
             return parts
 
 
-def build_micro_batch(rollouts: Rollouts, rows: list[int], *, seq_multiple: int = 1,
+def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_multiple: int = 1,
                       pad_to: tuple[int, int] | None = None, weights: Tensor | None = None,
                       device=None) -> MicroBatch:
-    """Tensors of one micro-batch from ``rows`` of ``rollouts`` (see module doc). ``pad_to`` = (rows,
-    length) pads to a fixed shape with dummy rows, for pipelines that need equal micro-batch shapes."""
+    """Tensors of one micro-batch from ``rows`` of ``rollouts`` (see module doc).
+
+    ``seq_multiple`` rounds the sequence (padded) or pack (packed) length up, as sequence parallelism needs
+    a multiple of TP. ``pad_to`` = (rows, length) fixes the shape, for pipelines that need equal
+    micro-batch shapes: extra rows are dummies, extra pack length a dummy trailing sequence.
+    """
     sel = torch.tensor(rows, dtype=torch.long)
     p, r, lens = rollouts.prompt_lens[sel], rollouts.response_lens[sel], rollouts.seq_lens[sel]
-    s = int(lens.max())
-    s = -(-s // seq_multiple) * seq_multiple
-    b = len(rows)
-    if pad_to is not None:
-        b, s = max(b, pad_to[0]), max(s, pad_to[1])
-    positions = torch.arange(s)
-    # Left-align: token t of row i sits at column (prompt_width - p_i + t) of the padded input.
+    b, longest = len(rows), int(lens.max())
+    positions = torch.arange(longest)
+    # Left-align: token t of row i sits at column (prompt_width - p_i + t) of the verl layout.
     src = (rollouts.prompt_width - p)[:, None] + positions[None, :]
     real = positions[None, :] < lens[:, None]
-    ids = torch.where(real, rollouts.input_ids[sel].gather(1, src.clamp(max=rollouts.input_ids.shape[1] - 1)), 0)
+    aligned = torch.where(real, rollouts.input_ids[sel].gather(1, src.clamp(max=rollouts.input_ids.shape[1] - 1)), 0)
     j = torch.arange(rollouts.response_width)
-    value_index = (p[:, None] - 1 + j[None, :]).clamp(max=s - 1)
+    # position within the rollout; past a rollout's end (masked) it is clamped to stay inside the rollout
+    value_pos = torch.minimum(p[:, None] - 1 + j[None, :], (lens - 1)[:, None])
     value_mask = (j[None, :] < r[:, None]).to(torch.float32)
+    packed_params = None
+    if packed:
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
+        total = _round_up(int(starts[-1]), seq_multiple)
+        if pad_to is not None:
+            total = max(total, pad_to[1])
+        ids = torch.zeros(1, total, dtype=torch.long)
+        ids[0, : starts[-1]] = aligned[real]
+        cu = starts if total == starts[-1] else torch.cat([starts, torch.tensor([total])])
+        cu = cu.to(torch.int32)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        packed_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
+                                        max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        value_index = starts[:-1, None] + value_pos
+    else:
+        s = _round_up(longest, seq_multiple)
+        if pad_to is not None:
+            b, s = max(b, pad_to[0]), max(s, pad_to[1])
+        ids = torch.zeros(b, s, dtype=torch.long)
+        ids[: len(rows), :longest] = aligned
+        value_index = torch.arange(len(rows))[:, None] * s + value_pos
 
     def rows_of(x: Tensor | None) -> Tensor | None:
         return None if x is None else x[sel]
 
-    fields = dict(input_ids=ids, value_index=value_index, value_mask=value_mask,
-                  values=rows_of(rollouts.values), returns=rows_of(rollouts.returns),
-                  weights=rows_of(weights), loss_mask=rows_of(rollouts.response_mask) if weights is not None else None)
-    extra = b - len(rows)
+    fields = dict(value_index=value_index, value_mask=value_mask, values=rows_of(rollouts.values),
+                  returns=rows_of(rollouts.returns), weights=rows_of(weights),
+                  loss_mask=rows_of(rollouts.response_mask) if weights is not None else None)
+    extra = b - len(rows)  # dummy rows (padded layout with pad_to): they read position 0, with zero weight
     for key, x in fields.items():
         if x is None:
             continue
         if extra:
             x = torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
         fields[key] = x.to(device) if device is not None else x
-    return MicroBatch(rows=len(rows), **fields)
+    return MicroBatch(input_ids=ids.to(device) if device is not None else ids, packed=packed_params,
+                      rows=len(rows), **fields)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

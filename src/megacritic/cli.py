@@ -1,4 +1,5 @@
 """``megacritic train``: the PPO critic phase on the embedded rollout task, under torchrun or alone.
+(``megacritic bench``, the throughput benchmark, lives in megacritic.bench.)
 
     python -m megacritic train [--config FILE.yaml] [dotted.key=value ...]
     torchrun --nproc_per_node 2 -m megacritic train megatron.tensor_model_parallel_size=2
@@ -92,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     p_train = sub.add_parser("train", help="train the critic on the embedded rollout task")
     p_train.add_argument("--config", help="YAML file of settings (defaults < file < overrides)")
     p_train.add_argument("overrides", nargs="*", help="dotted.key=value settings, e.g. ppo_epochs=2")
+    sub.add_parser("bench", add_help=False, help="throughput benchmark (see `megacritic bench --help`)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from megacritic.bench import main as bench_main
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
     try:
         config = load_config(args.overrides, args.config)

@@ -55,6 +55,9 @@ class ModelConfig:
     """Std of the value head's weight at initialisation (its bias starts at 0)."""
     dtype: str = "auto"
     """Parameter and compute dtype: float32, bfloat16, or auto (bfloat16 on GPU, float32 on CPU)."""
+    use_remove_padding: bool = True
+    """Pack each micro-batch's rollouts into one sequence without padding (THD, varlen attention on GPU).
+    False pads every rollout of a micro-batch to the longest one instead."""
 
 
 @dataclass

@@ -173,12 +173,16 @@ class MegatronPPOCritic:
         parts = plan_micro_batches(local.seq_lens.tolist(), micro_batch_size=size, max_tokens=budget,
                                    multiple_of=layout.micro_batch_multiple, max_over_ranks=self._max_over_dp)
         seq_multiple = layout.tp if layout.sequence_parallel else 1
+        packed = cfg.model.use_remove_padding
         pad_to = None
         if layout.fixed_micro_batch_shape:
-            longest = int(local.seq_lens.max())
-            pad_to = (max(len(p) for p in parts), -(-longest // seq_multiple) * seq_multiple)
-        micro_batches = [build_micro_batch(local, p, seq_multiple=seq_multiple, pad_to=pad_to, weights=weights,
-                                           device=layout.device) for p in parts]
+            lens = local.seq_lens
+            if packed:
+                pad_to = (1, _round_up(max(int(lens[p].sum()) for p in parts), seq_multiple))
+            else:
+                pad_to = (max(len(p) for p in parts), _round_up(int(lens.max()), seq_multiple))
+        micro_batches = [build_micro_batch(local, p, packed=packed, seq_multiple=seq_multiple, pad_to=pad_to,
+                                           weights=weights, device=layout.device) for p in parts]
         shape_b = max(mb.input_ids.shape[0] for mb in micro_batches)
         shape_s = max(mb.input_ids.shape[1] for mb in micro_batches)
         iterators = [iter(micro_batches) for _ in self.model]
@@ -195,12 +199,13 @@ class MegatronPPOCritic:
 
     def _forward_step(self, forward_only: bool, data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        # Rotary positions are 0..s-1 per row (rows are left-aligned), so no position ids or mask.
-        output = model(input_ids=mb.input_ids, position_ids=None, attention_mask=None)
+        # Rotary positions restart at 0 for each rollout (left-aligned rows, or cu_seqlens when packed),
+        # so the model needs no position ids or attention mask.
+        output = model(input_ids=mb.input_ids, position_ids=None, attention_mask=None, packed_seq_params=mb.packed)
         return output, partial(self._loss, mb, forward_only)
 
     def _loss(self, mb: MicroBatch, forward_only: bool, output: torch.Tensor):
-        vpreds = output.squeeze(-1).gather(1, mb.value_index)  # [b, R] float32
+        vpreds = output.reshape(-1)[mb.value_index]  # [b, R] float32
         one = torch.ones((), dtype=torch.int, device=output.device)
         if forward_only:
             return vpreds.sum() * 0, one, {"values": (vpreds * mb.value_mask).detach()}
@@ -255,6 +260,10 @@ class MegatronPPOCritic:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group_gloo())
         return int(t.item())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _is_batch(data) -> bool:

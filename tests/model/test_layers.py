@@ -102,11 +102,22 @@ def test_sdpa_attention_is_causal(config):
     assert not torch.allclose(out[-1], out2[-1])
 
 
-def test_sdpa_attention_rejects_packed_sequences(config):
+@pytest.mark.parametrize("heads,groups", [(4, 2), (4, 4)])
+def test_sdpa_attention_packed_equals_each_sequence_alone(config, heads, groups):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     attn = SDPAttention(config, 1, AttnMaskType.causal, "self")
-    x = torch.zeros(2, 1, 1, 4)
-    with pytest.raises(NotImplementedError):
-        attn(x, x, x, None, packed_seq_params=object())
+    lens, d = [5, 1, 9, 3], 8
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    t = int(cu[-1])
+    q, k, v = torch.randn(t, heads, d), torch.randn(t, groups, d), torch.randn(t, groups, d)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                             max_seqlen_kv=max(lens))
+    out = attn(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (t, heads * d)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # each rollout attends only to itself
+        ref = _reference_attention(q[a:b, None], k[a:b, None], v[a:b, None]).squeeze(1)
+        torch.testing.assert_close(out[a:b].double(), ref, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node N tests/multiproc/parity_run.py OUT.json [dotted.key=value ...]
 
-For fixed and dynamic micro-batching in turn: compute_values on a batch, then three optimizer steps
+For fixed padded and dynamic packed micro-batching in turn: compute_values on a batch, then three optimizer steps
 (one update_critic call over three mini-batches, no shuffle). Rank 0 writes values and metrics.
 """
 
@@ -21,8 +21,12 @@ MODEL = ["model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediat
          "ppo_mini_batch_size=8", "shuffle=false", "optim.lr=1e-3", "optim.clip_grad=0.5",
          "cliprange_value=0.2"]
 MODES = {
-    "fixed": ["use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=2", "forward_micro_batch_size_per_gpu=2"],
-    "dynamic": ["use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=40", "forward_max_token_len_per_gpu=30"],
+    # fixed-size micro-batches, each rollout padded to the micro-batch's longest
+    "fixed": ["use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=2", "forward_micro_batch_size_per_gpu=2",
+              "model.use_remove_padding=false"],
+    # token-budget micro-batches, packed without padding (THD)
+    "dynamic": ["use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=40", "forward_max_token_len_per_gpu=30",
+                "model.use_remove_padding=true"],
 }
 
 

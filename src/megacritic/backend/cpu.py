@@ -240,8 +240,9 @@ def enable_cpu_backend() -> bool:
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     optimizer.clip_grad_by_total_norm_fp32 = _typed_as_cuda(optimizer.clip_grad_by_total_norm_fp32)
-    build = distrib.DistributedOptimizer._build_model_and_main_param_groups
-    distrib.DistributedOptimizer._build_model_and_main_param_groups = staticmethod(_typed_as_cuda(build))
+    build = distrib.DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+    kind = type(build)  # classmethod or staticmethod upstream: keep it
+    distrib.DistributedOptimizer._build_model_and_main_param_groups = kind(_typed_as_cuda(build.__func__))
     f16 = optimizer.Float16OptimizerWithFloat16Params
     f16.__init__ = _typed_as_cuda(f16.__init__)
     _active = True

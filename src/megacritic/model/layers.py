@@ -11,11 +11,20 @@ Why our own:
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
+
+try:  # PyTorch >= 2.9: FlashAttention-2 for packed sequences (CUDA only)
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    # 2.9-2.12 take GQA as is; later releases ask for it by keyword.
+    _VARLEN_KWARGS = {"enable_gqa": True} if "enable_gqa" in inspect.signature(_varlen_attn).parameters else {}
+except ImportError:  # pragma: no cover - older PyTorch
+    _varlen_attn, _VARLEN_KWARGS = None, {}
 
 
 def _param_device(config) -> torch.device:
@@ -23,10 +32,12 @@ def _param_device(config) -> torch.device:
 
 
 class SDPAttention(MegatronModule):
-    """Causal (GQA) attention on ``torch.nn.functional.scaled_dot_product_attention``.
+    """Causal (GQA) attention, for padded micro-batches [s, b, heads, d] and packed ones [t, heads, d].
 
-    Sequences of a micro-batch are left-aligned and right-padded, so a plain causal mask is exact for
-    every real token; padded positions only ever attend to earlier tokens and are ignored downstream.
+    Padded: one ``scaled_dot_product_attention`` call; rows are left-aligned and right-padded, so a plain
+    causal mask is exact for every real token (padding only follows real tokens). Packed (THD): each
+    rollout attends only to itself, through ``varlen_attn`` (FlashAttention-2 in PyTorch) for bf16/fp16 on
+    GPU, else an exact per-rollout SDPA loop.
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
@@ -37,13 +48,29 @@ class SDPAttention(MegatronModule):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> Tensor:
         if packed_seq_params is not None:
-            raise NotImplementedError("packed (THD) sequences are not supported by SDPAttention yet")
+            return self._packed(query, key, value, packed_seq_params)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
         b, heads, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, heads * d]
+
+    def _packed(self, q: Tensor, k: Tensor, v: Tensor, params) -> Tensor:
+        """q [t, heads, d], k/v [t, groups, d] -> [t, heads * d]."""
+        cu, max_len = params.cu_seqlens_q, params.max_seqlen_q
+        if _varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            out = _varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=self.softmax_scale, window_size=(-1, 0),
+                               **_VARLEN_KWARGS)
+            return out.reshape(q.shape[0], -1)
+        outs = []
+        bounds = cu.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [heads, len, d]
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.softmax_scale,
+                                               enable_gqa=ks.shape[0] != qs.shape[0])
+            outs.append(o.transpose(0, 1).reshape(end - start, -1))
+        return torch.cat(outs)
 
 
 class RMSNorm(torch.nn.Module):

@@ -1,0 +1,60 @@
+"""GPU checks (one CUDA device; skipped without one): the varlen FlashAttention path and bf16 training."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_varlen_attention_matches_per_sequence_sdpa():
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megacritic.config import ModelConfig
+    from megacritic.model import layers
+    from megacritic.model.value_model import transformer_config
+
+    config = transformer_config(ModelConfig(), tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.bfloat16,
+                                on_cpu=False, variable_seq_lengths=False)
+    attn = layers.SDPAttention(config, 1, AttnMaskType.causal, "self")
+    lens = [300, 17, 1024, 5, 600]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    t = int(cu[-1])
+    q = torch.randn(t, 14, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                             max_seqlen_kv=max(lens))
+    fast = attn(q, k, v, None, packed_seq_params=params)
+    varlen, layers._varlen_attn = layers._varlen_attn, None
+    try:
+        exact = attn(q.float(), k.float(), v.float(), None, packed_seq_params=params)
+    finally:
+        layers._varlen_attn = varlen
+    assert varlen is not None and _rel(fast, exact) < 1e-2
+
+
+def test_bf16_packed_and_padded_agree():
+    from megacritic import CriticWorker, load_config
+    from megacritic.data import SyntheticRollouts
+
+    base = ["model.dtype=bfloat16", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=256",
+            "data.rollouts_per_step=32", "ppo_mini_batch_size=16", "model.hidden_size=256",
+            "model.intermediate_size=512", "model.num_hidden_layers=4", "model.num_attention_heads=8",
+            "model.num_key_value_heads=2", "shuffle=false"]
+    out = {}
+    for packed in (True, False):
+        worker = CriticWorker(load_config(base + [f"model.use_remove_padding={str(packed).lower()}"]))
+        worker.init_model()
+        batch = SyntheticRollouts(worker.config).batch(0)
+        values = worker.compute_values(batch)
+        batch["values"] = values
+        out[packed] = (values, worker.update_critic(batch))
+        worker.close()
+    (v_packed, m_packed), (v_padded, m_padded) = out[True], out[False]
+    assert _rel(v_packed, v_padded) < 2e-2  # bf16 activations, different kernels
+    for key in ("critic/vf_loss", "critic/grad_norm"):
+        assert abs(m_packed[key][0] - m_padded[key][0]) <= 2e-2 * abs(m_padded[key][0]), key
