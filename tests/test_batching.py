@@ -1,4 +1,5 @@
-"""Tests for megacritic.batching: micro-batch tensors (left-aligned rows, value positions) and planning."""
+"""Tests for megacritic.batching: micro-batch tensors (padded and packed THD layouts, value positions)
+and planning."""
 
 import threading
 
@@ -56,33 +57,129 @@ def prefix_hash_compact(ids):
     return (ids * (k + 1)).cumsum(1) + 1_000_000_000 * k
 
 
+def simulated_output(mb):
+    """The causal 'model' applied to a micro-batch in its own layout: per row when padded, per cu_seqlens
+    segment when packed (positions restart at 0 in each segment), so each token's output depends only on
+    its own rollout's tokens up to it. Returned in the model's output shape ([b, s] or [1, t])."""
+    if mb.packed is None:
+        return prefix_hash_compact(mb.input_ids)
+    flat = mb.input_ids.reshape(-1)
+    out = torch.full_like(flat, -1)
+    cu = mb.packed.cu_seqlens_q.tolist()
+    for a, e in zip(cu[:-1], cu[1:]):
+        out[a:e] = prefix_hash_compact(flat[a:e][None])[0]
+    assert torch.all(out >= 0)  # cu_seqlens cover the whole pack
+    return out.reshape(mb.input_ids.shape)
+
+
+def rollout_spans(mb, lens):
+    """[start, end) of each real rollout in the flattened output."""
+    if mb.packed is None:
+        s = mb.input_ids.shape[1]
+        return [(i * s, i * s + n) for i, n in enumerate(lens)]
+    cu = mb.packed.cu_seqlens_q.tolist()
+    return [(cu[i], cu[i + 1]) for i in range(len(lens))]
+
+
+def real_tokens(td, i):
+    return td["input_ids"][i][td["attention_mask"][i] == 1]
+
+
+LAYOUTS = pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+
+
 # ---------------------------------------------------------------- build_micro_batch
 
+@LAYOUTS
 @pytest.mark.parametrize("seq_multiple", [1, 3, 8])
-def test_build_micro_batch_left_aligns_tokens(seq_multiple):
+def test_build_micro_batch_layout(packed, seq_multiple):
     gen = torch.Generator().manual_seed(seq_multiple)
     P, R = 7, 6
     pl, rl = random_lengths(gen, 9, P, R)
     td, ro = make_rollouts(pl, rl, P, R, seed=seq_multiple)
     rows = [5, 0, 3, 8, 1]  # unsorted on purpose
-    mb = build_micro_batch(ro, rows, seq_multiple=seq_multiple)
+    mb = build_micro_batch(ro, rows, packed=packed, seq_multiple=seq_multiple)
     assert isinstance(mb, MicroBatch)
-    longest = max(pl[i] + rl[i] for i in rows)
-    s = -(-longest // seq_multiple) * seq_multiple
-    assert mb.input_ids.shape == (len(rows), s)
+    assert mb.rows == len(rows)
+    assert mb.input_ids.dtype == torch.long
+    lens = [pl[i] + rl[i] for i in rows]
+    if packed:
+        total = sum(lens)
+        t = -(-total // seq_multiple) * seq_multiple
+        assert mb.input_ids.shape == (1, t)
+        concat = torch.cat([real_tokens(td, i) for i in rows])
+        assert torch.equal(mb.input_ids[0, :total], concat)
+        assert torch.all(mb.input_ids[0, total:] == 0)
+    else:
+        assert mb.packed is None
+        longest = max(lens)
+        s = -(-longest // seq_multiple) * seq_multiple
+        assert mb.input_ids.shape == (len(rows), s)
+        for out_row, i in enumerate(rows):
+            real = real_tokens(td, i)
+            assert torch.equal(mb.input_ids[out_row, :len(real)], real)
+            assert torch.all(mb.input_ids[out_row, len(real):] == 0)
     assert mb.input_ids.shape[1] % seq_multiple == 0
-    assert mb.rows == len(rows) and mb.tokens == len(rows) * s
-    for out_row, i in enumerate(rows):
-        real = td["input_ids"][i][td["attention_mask"][i] == 1]
-        assert torch.equal(mb.input_ids[out_row, :len(real)], real)
-        assert torch.all(mb.input_ids[out_row, len(real):] == 0)
+    assert mb.value_index.shape == mb.value_mask.shape == (len(rows), R)
     # Without weights: no loss fields, but values/returns are carried.
     assert mb.weights is None and mb.loss_mask is None
     assert torch.equal(mb.values, ro.values[rows]) and torch.equal(mb.returns, ro.returns[rows])
 
 
-def test_value_index_matches_verl_values_slice():
-    gen = torch.Generator().manual_seed(17)
+@pytest.mark.parametrize("seq_multiple", [1, 3, 8])
+def test_packed_cu_seqlens(seq_multiple):
+    gen = torch.Generator().manual_seed(100 + seq_multiple)
+    P, R = 7, 6
+    for trial in range(5):
+        pl, rl = random_lengths(gen, 9, P, R)
+        _, ro = make_rollouts(pl, rl, P, R, seed=trial)
+        rows = torch.randperm(9, generator=gen)[:int(torch.randint(1, 10, (1,), generator=gen))].tolist()
+        mb = build_micro_batch(ro, rows, packed=True, seq_multiple=seq_multiple)
+        ps = mb.packed
+        assert ps.qkv_format == "thd"
+        assert ps.cu_seqlens_q.dtype == ps.cu_seqlens_kv.dtype == torch.int32
+        assert torch.equal(ps.cu_seqlens_q, ps.cu_seqlens_kv)
+        lens = [pl[i] + rl[i] for i in rows]
+        ends = torch.tensor(lens).cumsum(0).tolist()
+        t = mb.input_ids.shape[1]
+        expected = [0] + ends + ([t] if t > ends[-1] else [])
+        assert ps.cu_seqlens_q.tolist() == expected
+        assert ps.cu_seqlens_q[-1].item() == t
+        segs = [b - a for a, b in zip(expected[:-1], expected[1:])]
+        assert all(n > 0 for n in segs)
+        assert ps.max_seqlen_q == ps.max_seqlen_kv == max(segs)
+        assert ps.max_seqlen_q >= max(lens)
+
+
+def test_packed_seq_multiple_adds_trailing_segment():
+    _, ro = make_rollouts([2, 3], [3, 1], 3, 3)  # lengths 5 and 4: 9 tokens
+    mb = build_micro_batch(ro, [0, 1], packed=True, seq_multiple=4)
+    assert mb.input_ids.shape == (1, 12)
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 5, 9, 12]
+    assert mb.packed.max_seqlen_q == 5
+    assert torch.all(mb.input_ids[0, 9:] == 0)
+    # No trailing segment when the pack is already a multiple.
+    mb = build_micro_batch(ro, [0, 1], packed=True, seq_multiple=3)
+    assert mb.input_ids.shape == (1, 9)
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 5, 9]
+    # pad_to longer than the pack: one trailing segment up to pad_to[1] (possibly the longest one).
+    mb = build_micro_batch(ro, [0, 1], packed=True, seq_multiple=4, pad_to=(1, 20))
+    assert mb.input_ids.shape == (1, 20)
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 5, 9, 20]
+    assert mb.packed.max_seqlen_q == mb.packed.max_seqlen_kv == 11
+    assert torch.all(mb.input_ids[0, 9:] == 0)
+    # pad_to shorter than the rounded pack never truncates.
+    mb = build_micro_batch(ro, [0, 1], packed=True, seq_multiple=4, pad_to=(1, 10))
+    assert mb.input_ids.shape == (1, 12)
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 5, 9, 12]
+
+
+@LAYOUTS
+@pytest.mark.parametrize("seq_multiple,pad_extra", [(1, None), (4, None), (3, 5)])
+def test_value_index_matches_verl_values_slice(packed, seq_multiple, pad_extra):
+    """A causal model run on the micro-batch layout and read at value_index gives verl's
+    ``values[:, -R-1:-1]`` of the same model on the verl padded layout, on every real response token."""
+    gen = torch.Generator().manual_seed(17 + seq_multiple)
     P, R = 6, 5
     for trial in range(5):
         b = 8
@@ -97,73 +194,150 @@ def test_value_index_matches_verl_values_slice():
         response_mask = am[:, P:] == 1
 
         rows = torch.randperm(b, generator=gen)[:6].tolist()
-        mb = build_micro_batch(ro, rows, seq_multiple=4)
-        s = mb.input_ids.shape[1]
+        lens = [pl[i] + rl[i] for i in rows]
+        pad_to = None
+        if pad_extra is not None:
+            pad_to = (1, sum(lens) + pad_extra) if packed else (len(rows), max(lens) + pad_extra)
+        mb = build_micro_batch(ro, rows, packed=packed, seq_multiple=seq_multiple, pad_to=pad_to)
+        flat_len = mb.input_ids.numel()
         assert mb.value_index.shape == (len(rows), R) and mb.value_index.dtype == torch.int64
-        assert torch.all((mb.value_index >= 0) & (mb.value_index < s))
+        assert torch.all((mb.value_index >= 0) & (mb.value_index < flat_len))
         assert torch.equal(mb.value_mask, response_mask[rows].float())
-        out_pos = torch.arange(s).expand(len(rows), s)        # position t holds value t
-        got_pos = out_pos.gather(1, mb.value_index)
-        got_hash = prefix_hash_compact(mb.input_ids).gather(1, mb.value_index)
+        output = simulated_output(mb)
+        got_hash = output.reshape(-1)[mb.value_index]
+        # position of each output token within its own rollout
+        pos = torch.full((flat_len,), -1, dtype=torch.long)
+        for a, e in rollout_spans(mb, lens):
+            pos[a:e] = torch.arange(e - a)
+        got_pos = pos[mb.value_index]
         m = mb.value_mask.bool()
         assert m.sum() == response_mask[rows].sum()
         assert torch.equal(got_pos[m], verl_pos[rows][m])
         assert torch.equal(got_hash[m], verl_hash[rows][m])
+        # The output the critic reads also matches the value-of-real-tokens slice row by row.
+        for k, i in enumerate(rows):
+            assert torch.equal(got_hash[k, :rl[i]], verl_hash[i, :rl[i]])
 
 
-def test_value_index_hand_computed():
-    # Row 0: prompt 2, response 3 -> value of response token j at p - 1 + j = 1, 2, 3.
-    # Row 1: prompt 1, response 1 -> index 0 (others masked).
+@LAYOUTS
+def test_masked_value_index_stays_in_own_rollout(packed):
+    gen = torch.Generator().manual_seed(3)
+    P, R = 6, 7
+    for trial in range(5):
+        pl, rl = random_lengths(gen, 8, P, R)
+        _, ro = make_rollouts(pl, rl, P, R, seed=trial)
+        rows = torch.randperm(8, generator=gen)[:5].tolist()
+        lens = [pl[i] + rl[i] for i in rows]
+        mb = build_micro_batch(ro, rows, packed=packed, seq_multiple=4, pad_to=(len(rows) + 2, 64) if not packed
+                               else (1, 64))
+        spans = rollout_spans(mb, lens)
+        for k, i in enumerate(rows):
+            a, e = spans[k]
+            idx = mb.value_index[k]
+            assert torch.all((idx >= a) & (idx < e)), (k, idx, a, e)
+            expected = torch.minimum(pl[i] - 1 + torch.arange(R), torch.tensor(lens[k] - 1))
+            assert torch.equal(idx - a, expected)
+            assert mb.value_mask[k].tolist() == [1.0] * rl[i] + [0.0] * (R - rl[i])
+
+
+@LAYOUTS
+def test_value_index_hand_computed(packed):
+    # Row 0: prompt 2, response 3 -> value of response token j at p - 1 + j = 1, 2, 3 (masked j=3 -> 4).
+    # Row 1: prompt 1, response 1 -> index 0 (masked clamp to its last token, 1).
     _, ro = make_rollouts([2, 1], [3, 1], 3, 4)
-    mb = build_micro_batch(ro, [0, 1])
-    assert mb.input_ids.shape == (2, 5)
-    assert mb.value_index[0, :3].tolist() == [1, 2, 3]
-    assert mb.value_index[1, 0].item() == 0
+    mb = build_micro_batch(ro, [0, 1], packed=packed)
+    if packed:
+        assert mb.input_ids.shape == (1, 7)
+        assert mb.packed.cu_seqlens_q.tolist() == [0, 5, 7]
+        assert mb.value_index.tolist() == [[1, 2, 3, 4], [5, 6, 6, 6]]
+    else:
+        assert mb.input_ids.shape == (2, 5)
+        assert mb.value_index.tolist() == [[1, 2, 3, 4], [5, 6, 6, 6]]
     assert mb.value_mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    # Padded with a wider sequence: row 1 starts at s.
+    mb = build_micro_batch(ro, [0, 1], packed=False, seq_multiple=4)
+    assert mb.input_ids.shape == (2, 8)
+    assert mb.value_index.tolist() == [[1, 2, 3, 4], [8, 9, 9, 9]]
+    # Packed with a trailing pad segment: indices unchanged.
+    mb = build_micro_batch(ro, [1, 0], packed=True, seq_multiple=4)
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 2, 7, 8]
+    assert mb.value_index.tolist() == [[0, 1, 1, 1], [3, 4, 5, 6]]
 
 
-def test_build_micro_batch_with_weights_and_pad_to():
+@LAYOUTS
+def test_build_micro_batch_with_weights_and_pad_to(packed):
     gen = torch.Generator().manual_seed(5)
     P, R = 5, 4
     pl, rl = random_lengths(gen, 6, P, R)
     td, ro = make_rollouts(pl, rl, P, R, seed=2)
     weights = token_weights(ro.response_mask, "seq-mean-token-mean")
     rows = [2, 4, 1]
-    plain = build_micro_batch(ro, rows, weights=weights)
+    plain = build_micro_batch(ro, rows, packed=packed, weights=weights)
     assert torch.equal(plain.weights, weights[rows])
     assert torch.equal(plain.loss_mask, ro.response_mask[rows])
+    n = plain.input_ids.shape[1]
+    m = plain.value_mask.bool()  # value positions of padding tokens are only pinned inside their rollout
 
-    b_pad, s_pad = 5, plain.input_ids.shape[1] + 3
-    mb = build_micro_batch(ro, rows, pad_to=(b_pad, s_pad), weights=weights)
+    if packed:
+        t_pad = n + 3
+        mb = build_micro_batch(ro, rows, packed=True, pad_to=(1, t_pad), weights=weights)
+        assert mb.rows == len(rows)
+        assert mb.input_ids.shape == (1, t_pad)
+        assert torch.equal(mb.input_ids[0, :n], plain.input_ids[0])
+        assert torch.all(mb.input_ids[0, n:] == 0)
+        assert mb.packed.cu_seqlens_q.tolist() == plain.packed.cu_seqlens_q.tolist() + [t_pad]
+        for key in ("value_index", "value_mask", "weights", "loss_mask", "values", "returns"):
+            assert torch.equal(getattr(mb, key), getattr(plain, key)), key
+        assert torch.all((mb.value_index >= 0) & (mb.value_index < n))  # never in the trailing padding
+        small = build_micro_batch(ro, rows, packed=True, pad_to=(1, 1), weights=weights)
+        assert small.input_ids.shape == plain.input_ids.shape
+        assert small.packed.cu_seqlens_q.tolist() == plain.packed.cu_seqlens_q.tolist()
+        return
+
+    b_pad, s_pad = 5, n + 3
+    mb = build_micro_batch(ro, rows, packed=False, pad_to=(b_pad, s_pad), weights=weights)
     assert mb.rows == len(rows)
     assert mb.input_ids.shape == (b_pad, s_pad)
     assert mb.value_index.shape == mb.value_mask.shape == mb.weights.shape == (b_pad, R)
     assert mb.values.shape == mb.returns.shape == mb.loss_mask.shape == (b_pad, R)
     # Real rows are unchanged except for the extra right padding.
-    s = plain.input_ids.shape[1]
-    assert torch.equal(mb.input_ids[:3, :s], plain.input_ids)
-    assert torch.all(mb.input_ids[:3, s:] == 0)
+    assert torch.equal(mb.input_ids[:3, :n], plain.input_ids)
+    assert torch.all(mb.input_ids[:3, n:] == 0)
     for key in ("value_mask", "weights", "loss_mask", "values", "returns"):
         assert torch.equal(getattr(mb, key)[:3], getattr(plain, key)), key
-    m = plain.value_mask.bool()  # value positions of padding tokens are arbitrary (clamped)
-    assert torch.equal(mb.value_index[:3][m], plain.value_index[m])
+    # The flat index follows the wider row stride: row i, position t -> i * s_pad + t.
+    row = torch.arange(3)[:, None]
+    assert torch.equal(mb.value_index[:3] - row * s_pad, plain.value_index - row * n)
     # Dummy rows contribute nothing.
     assert torch.all(mb.input_ids[3:] == 0)
     assert torch.all(mb.value_mask[3:] == 0)
     assert torch.all(mb.weights[3:] == 0)
     assert torch.all(mb.loss_mask[3:] == 0)
-    assert torch.all((mb.value_index >= 0) & (mb.value_index < s_pad))
+    assert torch.all((mb.value_index >= 0) & (mb.value_index < b_pad * s_pad))
     # pad_to smaller than the natural shape never truncates.
-    small = build_micro_batch(ro, rows, pad_to=(1, 1), weights=weights)
+    small = build_micro_batch(ro, rows, packed=False, pad_to=(1, 1), weights=weights)
     assert small.input_ids.shape == plain.input_ids.shape
 
 
-def test_build_micro_batch_single_row_full_width():
+@LAYOUTS
+def test_build_micro_batch_single_row_full_width(packed):
     _, ro = make_rollouts([4], [3], 4, 3)
-    mb = build_micro_batch(ro, [0])
+    mb = build_micro_batch(ro, [0], packed=packed)
     assert mb.input_ids.shape == (1, 7)
     assert torch.equal(mb.input_ids[0], ro.input_ids[0])
     assert mb.value_index[0].tolist() == [3, 4, 5]
+    if packed:
+        assert mb.packed.cu_seqlens_q.tolist() == [0, 7]
+        assert mb.packed.max_seqlen_q == 7
+
+
+def test_build_micro_batch_device_cpu():
+    _, ro = make_rollouts([2, 3], [2, 1], 3, 2)
+    for packed in (False, True):
+        mb = build_micro_batch(ro, [0, 1], packed=packed, device="cpu")
+        assert mb.input_ids.device.type == mb.value_index.device.type == "cpu"
+        if packed:
+            assert mb.packed.cu_seqlens_q.device.type == "cpu"
 
 
 # ---------------------------------------------------------------- plan_micro_batches

@@ -149,7 +149,7 @@ INVALID = [
                  "megatron.context_parallel_size", id="context-parallel-unsupported"),
     pytest.param(["model.path=/tmp/some-hf-model"], "model.path", id="model-path-unsupported"),
     pytest.param(["megatron.param_offload=true"], "megatron.param_offload", id="param-offload-unsupported"),
-    pytest.param(["trainer.save_every=5"], "trainer.save_every", id="checkpointing-unsupported"),
+    pytest.param(["trainer.save_every=-1"], "trainer.save_every", id="negative-save-every"),
     pytest.param(["data.rollouts_per_step=24", "ppo_mini_batch_size=16"],
                  "data.rollouts_per_step", id="rollouts-not-multiple-of-mini-batch"),
     pytest.param(["model.max_position_embeddings=32", "data.prompt_length=[4,16]",

@@ -198,6 +198,13 @@ def run_hf(shape: dict, batch: TensorDict, repeats: int, cliprange_value: float 
     return out
 
 
+def _write(rows: list[dict], path: str) -> None:
+    """Rewritten after every system, so a crash later in the run keeps what was measured."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megacritic bench", description=__doc__.split("\n\n")[0])
     cuda = torch.cuda.is_available()
@@ -205,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated shapes: " + ", ".join(SHAPES))
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ", ".join(SYSTEMS))
     parser.add_argument("--rollouts", type=int, default=32 if cuda else 16, help="rollouts per call")
-    parser.add_argument("--token-budget", type=int, default=16384 if cuda else 512,
-                        help="megacritic-packed: ppo_max_token_len_per_gpu")
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="megacritic-packed: ppo_max_token_len_per_gpu (default 16384, 8192 from the 3B "
+                             "shape on, where 16k-token activations do not fit next to the optimizer state)")
     parser.add_argument("--micro-batch", type=int, default=2, help="megacritic-padded: micro-batch size")
     parser.add_argument("--repeats", type=int, default=2 if cuda else 1, help="timed calls per phase (median)")
     parser.add_argument("--out", default=None, help="results file (default bench/results/<machine-kind>.json)")
@@ -222,26 +230,43 @@ def main(argv: list[str] | None = None) -> int:
         seq_lens = batch["attention_mask"].sum(1).tolist()
         real = sum(seq_lens)
         fwd = forward_flops(shape, seq_lens)
+        budget = args.token_budget or ((8192 if shape["hidden_size"] >= 2048 else 16384) if cuda else 512)
+        budget = max(budget, -(-max(seq_lens) // 1024) * 1024)  # every rollout must fit one micro-batch
         for system in args.systems.split(","):
-            if system == "hf-sdpa-padded":
-                result = run_hf(shape, batch, args.repeats)
-            else:
-                result = run_megacritic(shape, batch, system == "megacritic-packed", args.token_budget,
-                                        args.micro_batch, args.repeats)
+            error = None
+            try:
+                if system == "hf-sdpa-padded":
+                    result = run_hf(shape, batch, args.repeats)
+                else:
+                    result = run_megacritic(shape, batch, system == "megacritic-packed", budget,
+                                            args.micro_batch, args.repeats)
+            except torch.OutOfMemoryError:
+                result, error = None, "out of memory"
+                _reset_memory()
             for phase, flops in (("update_critic", 3 * fwd), ("compute_values", fwd)):  # backward = 2x forward
-                t, mem = result["update" if phase == "update_critic" else "values"]
-                rows.append({"system": system, "model": shape_name, "phase": phase,
-                             "real_tokens_per_s": real / t, "mfu": flops / t / peak,
-                             "peak_mem_gib": mem, "seconds": t, "real_tokens": real,
-                             "machine": kind, "device": torch.cuda.get_device_name() if cuda else "cpu"})
+                row = {"system": system, "model": shape_name, "phase": phase, "real_tokens": real,
+                       "machine": kind, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+                if result is None:
+                    row.update(real_tokens_per_s=None, mfu=None, peak_mem_gib=None, error=error)
+                else:
+                    t, mem = result["update" if phase == "update_critic" else "values"]
+                    row.update(real_tokens_per_s=real / t, mfu=flops / t / peak, peak_mem_gib=mem, seconds=t)
+                    if system == "megacritic-packed":
+                        row["token_budget"] = budget
+                    elif system == "megacritic-padded":
+                        row["micro_batch"] = args.micro_batch
+                    else:
+                        row["micro_batch"] = result[("update" if phase == "update_critic" else "values") + "_micro_batch"]
+                rows.append(row)
             print(json.dumps(rows[-2:]), flush=True)
+            _write(rows, args.out or os.path.join("bench", "results", f"{kind}.json"))
 
     out = args.out or os.path.join("bench", "results", f"{kind}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
     print(f"\n{'model':14} {'phase':15} {'system':18} {'real tok/s':>11} {'MFU':>6} {'peak GiB':>9}")
     for row in rows:
+        if row["real_tokens_per_s"] is None:
+            print(f"{row['model']:14} {row['phase']:15} {row['system']:18} {row['error']:>28}")
+            continue
         print(f"{row['model']:14} {row['phase']:15} {row['system']:18} {row['real_tokens_per_s']:11.0f} "
               f"{row['mfu']:6.3f} {row['peak_mem_gib']:9.1f}")
     print(f"results: {out}")

@@ -28,6 +28,7 @@ warnings.filterwarnings("ignore", category=UserWarning,
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from megacritic.checkpoint import latest_checkpoint  # noqa: E402
 from megacritic.config import ConfigError, load_config, to_dict  # noqa: E402
 from megacritic.data import SyntheticRollouts  # noqa: E402
 from megacritic.worker import CriticWorker  # noqa: E402
@@ -37,21 +38,54 @@ def _finite_or_none(x: float):
     return x if math.isfinite(x) else None
 
 
+def _resume(worker: CriticWorker, root: str, speaker: bool) -> dict:
+    """Trainer state of the newest intact checkpoint (empty when there is none)."""
+    folder, skipped = latest_checkpoint(root)
+    if speaker:
+        for reason in skipped:
+            print(f"megacritic: skipping checkpoint: {reason}", file=sys.stderr)
+    if folder is None:
+        if speaker:
+            print(f"megacritic: trainer.resume=true but no complete checkpoint in {root}; starting fresh",
+                  file=sys.stderr)
+        return {}
+    state = worker.load_checkpoint(folder)
+    if speaker:
+        print(f"megacritic: resumed from {folder} (iteration {state['iteration']}, step {state['step']})")
+    return state
+
+
+def _open_log(path: str, keep_steps: int):
+    """metrics.jsonl, keeping the records of the first ``keep_steps`` optimizer steps (those a resumed
+    checkpoint covers) and dropping any written after it by the interrupted run."""
+    kept = []
+    if keep_steps and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_steps]
+    log = open(path, "w")
+    log.writelines(kept)
+    return log
+
+
 def train(config) -> dict[str, float]:
     """Run the main job; returns the last optimizer step's metrics."""
+    t = config.trainer
     worker = CriticWorker(config)
     worker.init_model()
     speaker = dist.get_rank() == 0
+    ckpt_root = os.path.join(t.output_dir, "checkpoints")
+    state = _resume(worker, ckpt_root, speaker) if t.resume else {}
+    first, step = state.get("iteration", 0), state.get("step", 0)
     data = SyntheticRollouts(config)
     log = None
     if speaker:
-        os.makedirs(config.trainer.output_dir, exist_ok=True)
-        with open(os.path.join(config.trainer.output_dir, "config.json"), "w") as f:
+        os.makedirs(t.output_dir, exist_ok=True)
+        with open(os.path.join(t.output_dir, "config.json"), "w") as f:
             json.dump(to_dict(config), f, indent=2)
-        log = open(os.path.join(config.trainer.output_dir, "metrics.jsonl"), "w")
-    bar = tqdm(range(config.trainer.steps), desc="critic", disable=not (speaker and config.trainer.progress),
-               dynamic_ncols=True)
-    step, last = 0, {}
+        log = _open_log(os.path.join(t.output_dir, "metrics.jsonl"), keep_steps=step)
+    bar = tqdm(range(first, t.steps), desc="critic", initial=first, total=t.steps,
+               disable=not (speaker and t.progress), dynamic_ncols=True)
+    last = {}
     try:
         for iteration in bar:
             batch = data.batch(iteration)
@@ -61,8 +95,7 @@ def train(config) -> dict[str, float]:
             start = time.perf_counter()
             metrics = worker.update_critic(batch)
             update_time = time.perf_counter() - start
-            steps_here = len(metrics["critic/vf_loss"])
-            for i in range(steps_here):
+            for i in range(len(metrics["critic/vf_loss"])):
                 step += 1
                 last = {k: v[i] for k, v in metrics.items()}
                 record = {"step": step, "iteration": iteration + 1, **last,
@@ -74,16 +107,18 @@ def train(config) -> dict[str, float]:
                 log.flush()
             bar.set_postfix(vf_loss=f"{last['critic/vf_loss']:.4g}",
                             expl_var=f"{last['critic/vf_explained_var']:.3f}")
+            done = iteration + 1
+            if t.save_every and (done % t.save_every == 0 or done == t.steps):
+                worker.save_checkpoint(ckpt_root, done, {"iteration": done, "step": step})
     finally:
         bar.close()
         if log:
             log.close()
         worker.close()
-    if speaker:
-        print(f"done: {step} optimizer steps over {config.trainer.steps} iterations; "
+    if speaker and last:
+        print(f"done: {step} optimizer steps over {t.steps} iterations; "
               f"vf_loss {last['critic/vf_loss']:.4g}, explained variance {last['critic/vf_explained_var']:.4f}, "
-              f"grad norm {last['critic/grad_norm']:.3g}; metrics in "
-              f"{os.path.join(config.trainer.output_dir, 'metrics.jsonl')}")
+              f"grad norm {last['critic/grad_norm']:.3g}; metrics in {os.path.join(t.output_dir, 'metrics.jsonl')}")
     return last
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -21,6 +21,10 @@ from omegaconf.errors import OmegaConfBaseException
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16")
+VALUE_HEAD_INITS = ("normal", "zeros", "from_checkpoint")
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Megatron-Core's Llama 3 RoPE scaling takes only the factor; these are its fixed constants.
+LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 class ConfigError(ValueError):
@@ -29,11 +33,18 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Architecture of the value model (Llama / Qwen2 family; names as in a Hugging Face config.json)."""
+    """Architecture of the value model (Llama / Qwen2 / Qwen3 / Mistral family; names as in a Hugging Face
+    config.json)."""
 
     path: Optional[str] = None
-    """Local Hugging Face model folder to start from. Not supported yet: leave unset to use the
-    architecture below with seeded random weights."""
+    """Local Hugging Face model folder (config.json and safetensors, sharded or not) to start from. Its
+    config.json defines the architecture: validation fills the fields below from it (a field set here to a
+    different value is an error, as is anything in it the value model cannot honour) and the weights are
+    read from it. Unset: the architecture below with seeded random weights."""
+    model_type: Optional[str] = None
+    """Hugging Face family: llama, qwen2, qwen3 or mistral; filled from model.path. Without a path it only
+    names the family of an exported checkpoint (unset: qwen3 with qk_layernorm, qwen2 with attention_bias,
+    else llama)."""
     vocab_size: int = 64
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -46,11 +57,24 @@ class ModelConfig:
     """Per-head size; defaults to hidden_size // num_attention_heads."""
     max_position_embeddings: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    """RoPE frequency scaling in Hugging Face's form. Supported: Llama 3's {rope_type: llama3, factor: F,
+    low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192} (the constants
+    Megatron-Core's RoPE scaling implements); anything else is an error."""
     rms_norm_eps: float = 1e-6
     attention_bias: bool = True
     """Bias on the Q, K and V projections (Qwen2 has it, Llama does not)."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    tie_word_embeddings: bool = False
+    """Whether the language model ties its output projection to the embedding. The critic has no output
+    projection, so this does not change values; it is carried into exported checkpoints."""
     init_std: float = 0.02
     """Std of the seeded normal initialisation of every weight matrix (norms start at 1, biases at 0)."""
+    value_head_init: str = "normal"
+    """How the value head starts: normal (seeded, std value_head_init_std, bias 0), zeros, or
+    from_checkpoint (the one-label `score` head of a *ForTokenClassification / *ForSequenceClassification
+    reward model at model.path, or an lm_head with a single row)."""
     value_head_init_std: float = 0.02
     """Std of the value head's weight at initialisation (its bias starts at 0)."""
     dtype: str = "auto"
@@ -126,9 +150,9 @@ class TrainerConfig:
     output_dir: str = "outputs/default"
     """Where metrics.jsonl is written."""
     save_every: int = 0
-    """Checkpointing is not supported yet; must stay 0."""
+    """Save a checkpoint to <output_dir>/checkpoints every this many iterations, and at the end; 0: never."""
     resume: bool = False
-    """Checkpointing is not supported yet; must stay false."""
+    """Continue from the newest intact checkpoint in <output_dir>/checkpoints (if there is one)."""
     progress: bool = True
     """Show a progress bar (rank 0 only)."""
 
@@ -208,12 +232,34 @@ def head_dim(model: ModelConfig) -> int:
     return model.head_dim or model.hidden_size // model.num_attention_heads
 
 
+def _check_rope_scaling(rope_scaling) -> None:
+    if rope_scaling is None:
+        return
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind != "llama3":
+        _fail("model.rope_scaling.rope_type", kind, "only llama3 RoPE scaling is supported (or none)")
+    known = {"rope_type", "type", "factor", *LLAMA3_ROPE_CONSTANTS}
+    for key in rope_scaling:
+        if key not in known:
+            _fail(f"model.rope_scaling.{key}", rope_scaling[key], "is not part of llama3 RoPE scaling; remove it")
+    factor = rope_scaling.get("factor")
+    if not isinstance(factor, (int, float)) or factor < 1:
+        _fail("model.rope_scaling.factor", factor, "must be a number >= 1")
+    for key, value in LLAMA3_ROPE_CONSTANTS.items():
+        if rope_scaling.get(key) != value:
+            _fail(f"model.rope_scaling.{key}", rope_scaling.get(key),
+                  f"Megatron-Core's llama3 RoPE scaling fixes it at {value} (as in Llama 3.1-3.3)")
+
+
 def validate(config: CriticConfig) -> None:
     """Every check that does not need the world size. Raises ConfigError on the first problem."""
     m, mg, o, t, d = config.model, config.megatron, config.optim, config.trainer, config.data
 
     if m.path is not None:
-        _fail("model.path", m.path, "loading Hugging Face checkpoints is not supported yet; unset it")
+        # The checkpoint's config.json is the architecture: fill (and cross-check) the fields from it first,
+        # so every check below sees the real model. Idempotent, so validating twice is harmless.
+        from megacritic.model.hf import apply_hf_config
+        apply_hf_config(m)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
         _positive(f"model.{key}", getattr(m, key))
@@ -229,6 +275,13 @@ def validate(config: CriticConfig) -> None:
         _fail("model.dtype", m.dtype, f"choose one of {', '.join(DTYPES)}")
     if m.init_std <= 0 or m.value_head_init_std < 0:
         _fail("model.init_std", m.init_std, "must be positive (value_head_init_std non-negative)")
+    if m.value_head_init not in VALUE_HEAD_INITS:
+        _fail("model.value_head_init", m.value_head_init, f"choose one of {', '.join(VALUE_HEAD_INITS)}")
+    if m.value_head_init == "from_checkpoint" and m.path is None:
+        _fail("model.value_head_init", m.value_head_init, "needs model.path (a reward model with a score head)")
+    if m.model_type is not None and m.model_type not in MODEL_TYPES:
+        _fail("model.model_type", m.model_type, f"choose one of {', '.join(MODEL_TYPES)}")
+    _check_rope_scaling(m.rope_scaling)
 
     tp, pp, vpp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.virtual_pipeline_model_parallel_size
     _positive("megatron.tensor_model_parallel_size", tp)
@@ -301,10 +354,8 @@ def validate(config: CriticConfig) -> None:
         _fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be -1 (use the ratio) or non-negative")
 
     _positive("trainer.steps", t.steps)
-    if t.save_every:
-        _fail("trainer.save_every", t.save_every, "checkpointing is not supported yet; set it to 0")
-    if t.resume:
-        _fail("trainer.resume", t.resume, "checkpointing is not supported yet; set it to false")
+    if t.save_every < 0:
+        _fail("trainer.save_every", t.save_every, "must be 0 (no checkpoints) or a positive number of iterations")
     _positive("data.rollouts_per_step", d.rollouts_per_step)
     for key in ("prompt_length", "response_length"):
         lo_hi = getattr(d, key)

@@ -19,11 +19,12 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from megacritic import checkpoint
 from megacritic.backend.cpu import enable_cpu_backend
 from megacritic.config import ConfigError, CriticConfig, validate, validate_layout
 from megacritic.critic import Layout, MegatronPPOCritic
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
-from megacritic.model.weights import load_full_weights, seeded_initializer
+from megacritic.model.weights import load_full_weights, weight_source
 
 
 def _free_port() -> int:
@@ -98,12 +99,13 @@ class CriticWorker:
             device=torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device()),
             dtype=dtype)
 
-        # 2. Model chunks with our spec, weights from the seed (identical for every layout).
+        # 2. Model chunks with our spec, weights from model.path's checkpoint or the seed (identical for every
+        #    layout; each rank reads only its shard).
         tconfig = transformer_config(cfg.model, tp=tp, pp=layout.pp, vpp=vpp,
                                      sequence_parallel=layout.sequence_parallel, dtype=dtype, on_cpu=on_cpu,
                                      variable_seq_lengths=layout.variable_seq_lengths)
         chunks = build_value_model(cfg.model, tconfig)
-        load_full_weights(chunks, seeded_initializer(cfg.model, mg.seed), cfg.model,
+        load_full_weights(chunks, weight_source(cfg.model, mg.seed), cfg.model,
                           mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp))
 
         # 3. Megatron DDP: contiguous fp32 gradient buffers, reduced once per step.
@@ -153,6 +155,22 @@ class CriticWorker:
     def update_critic(self, data) -> dict[str, list[float]]:
         return self._require_model().update_critic(data)
 
+    def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> str:
+        """Collective: write ``<root>/step_<step>`` (model, optimizer, LR schedule, shuffle position and
+        ``trainer_state``) atomically; returns its folder."""
+        critic = self._require_model()
+        state = {"trainer": trainer_state, "update_calls": critic.update_calls,
+                 "scheduler": critic.scheduler.state_dict()}
+        return checkpoint.save_checkpoint(root, step, critic.model, critic.optimizer, state)
+
+    def load_checkpoint(self, folder: str) -> dict:
+        """Collective: restore a checkpoint saved under any TP / PP / DP layout; returns its trainer_state."""
+        critic = self._require_model()
+        state = checkpoint.load_checkpoint(folder, critic.model, critic.optimizer)
+        critic.scheduler.load_state_dict(state["scheduler"])
+        critic.update_calls = state["update_calls"]
+        return state["trainer"]
+
     def close(self) -> None:
         """Tear down Megatron's parallel state (and the process group if this worker created it)."""
         if self.critic is not None:
@@ -161,3 +179,9 @@ class CriticWorker:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write the critic as a Hugging Face ``*ForTokenClassification`` (num_labels=1) folder, gathered from
+        any TP / PP layout. Collective: every rank calls it; rank 0 writes."""
+        from megacritic.model.hf import export_hf
+        export_hf(self._require_model().model, self.config.model, out_dir)

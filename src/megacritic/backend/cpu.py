@@ -52,9 +52,12 @@ _CUDA_MODULES = (
     "megatron.core.transformer.transformer_block",
     "megatron.core.transformer.utils",
     "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
     "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
-    "megatron.core.dist_checkpointing.validation",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
 )
 
 _CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The value model: Megatron-Core's GPTModel (Llama / Qwen2 family) with a scalar value head.
+"""The value model: Megatron-Core's GPTModel (Llama / Qwen2 / Qwen3 / Mistral family) with a scalar value head.
 
 ``build_value_model`` returns this rank's model chunks (one per virtual pipeline stage), with our
 attention and norm plugged in through the layer spec and the value head on the last stage.
@@ -41,6 +41,9 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model.attention_bias,
+        # Qwen3's per-head query/key RMSNorm; also makes Megatron sum these norms' gradients over TP ranks
+        # (each rank normalises only its own heads).
+        qk_layernorm=model.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
@@ -73,8 +76,10 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
     )
 
 
-def layer_spec() -> ModuleSpec:
-    """A Llama / Qwen2 decoder layer built from Megatron modules, with our attention and norm."""
+def layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
+    """A Llama / Qwen2 / Qwen3 decoder layer built from Megatron modules, with our attention and norm
+    (also over each query and key head with ``qk_layernorm``)."""
+    qk_norm = RMSNorm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -86,8 +91,8 @@ def layer_spec() -> ModuleSpec:
                     linear_qkv=ColumnParallelLinear,
                     core_attention=SDPAttention,
                     linear_proj=RowParallelLinear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
@@ -110,7 +115,10 @@ class ValueModel(GPTModel):
     def __init__(self, config: TransformerConfig, model: ModelConfig, *, pre_process: bool, post_process: bool,
                  vp_stage: int | None):
         layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-        spec = TransformerBlockSubmodules(layer_specs=[layer_spec()] * layers, layer_norm=RMSNorm)
+        spec = TransformerBlockSubmodules(layer_specs=[layer_spec(model.qk_layernorm)] * layers, layer_norm=RMSNorm)
+        # Llama 3 RoPE scaling: Megatron implements HF's llama3 formula with its constants fixed to
+        # Llama 3.1's (config validation accepts no other values); only the factor is passed.
+        scaling = model.rope_scaling
         super().__init__(
             config,
             spec,
@@ -121,6 +129,8 @@ class ValueModel(GPTModel):
             share_embeddings_and_output_weights=False,
             position_embedding_type="rope",
             rotary_base=model.rope_theta,
+            rope_scaling=scaling is not None,
+            rope_scaling_factor=float(scaling["factor"]) if scaling is not None else 8.0,
             vp_stage=vp_stage,
         )
         if post_process:

@@ -3,8 +3,11 @@
 Every weight is defined by its full (unsharded) tensor under its Hugging Face name
 (``model.layers.3.self_attn.q_proj.weight``, ``score.weight`` ...). A rank fills each of its Megatron
 parameters by slicing the full tensors it needs for its tensor-parallel rank, so the same model comes
-out for every TP / PP / VPP layout. Random initialisation draws each full tensor from a generator
-seeded by (seed, name): a rank materialises only the tensors of its own stage, one at a time.
+out for every TP / PP / VPP layout. A source of full tensors is a callable ``full(name)``; one that also
+has ``read_slice(name, dim, start, stop)`` (a checkpoint, :mod:`megacritic.model.hf`) is asked only for the
+rows of this rank's shard, so a rank reads no more than it holds. Random initialisation draws each full
+tensor from a generator seeded by (seed, name): a rank materialises only the tensors of its own stage, one
+at a time. :func:`hf_from_megatron` is the inverse mapping, used to export.
 """
 
 from __future__ import annotations
@@ -41,20 +44,23 @@ def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         if model.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if model.qk_layernorm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     shapes.update({"model.norm.weight": (h,), "score.weight": (1, h), "score.bias": (1,)})
     return shapes
 
 
 def seeded_initializer(model: ModelConfig, seed: int) -> FullTensor:
     """Full tensors drawn as Hugging Face initialises them (normal weights, unit norms, zero biases),
-    each from its own generator seeded by (seed, name), so no rank depends on another's draws."""
+    each from its own generator seeded by (seed, name), so no rank depends on another's draws. The value
+    head follows model.value_head_init (normal or zeros)."""
     shapes = hf_shapes(model)
 
     def full(name: str) -> torch.Tensor:
         shape = shapes[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape)
-        if name.endswith(".bias"):
+        if name.endswith(".bias") or (name == "score.weight" and model.value_head_init == "zeros"):
             return torch.zeros(shape)
         digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
@@ -64,22 +70,50 @@ def seeded_initializer(model: ModelConfig, seed: int) -> FullTensor:
     return full
 
 
-def _tp_slice(t: torch.Tensor, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
-    return t.chunk(tp_size, dim=dim)[tp_rank]
+def weight_source(model: ModelConfig, seed: int) -> FullTensor:
+    """The full tensors a run starts from: the checkpoint at model.path, else the seeded initialisation."""
+    if model.path is not None:
+        from megacritic.model.hf import checkpoint_source  # transformers is imported only when needed
+        return checkpoint_source(model, seed)
+    return seeded_initializer(model, seed)
+
+
+def _read(full: FullTensor, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop along ``dim`` of full tensor ``name``, read alone where the source can."""
+    read_slice = getattr(full, "read_slice", None)
+    if read_slice is not None:
+        return read_slice(name, dim, start, stop)
+    return full(name).narrow(dim, start, stop - start)
+
+
+def _tp_part(full: FullTensor, name: str, dim: int, size: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """TP rank's contiguous 1/tp_size of full tensor ``name`` (``size`` long along ``dim``)."""
+    part = size // tp_size
+    return _read(full, name, dim, tp_rank * part, (tp_rank + 1) * part)
+
+
+def _fuse_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, hd: int) -> torch.Tensor:
+    """Megatron's linear_qkv rows for ``groups`` consecutive query groups: per group, its query heads, then
+    its key head, then its value head."""
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(groups, -1, *rest), k.reshape(groups, hd, *rest), v.reshape(groups, hd, *rest)],
+                      dim=1)
+    return fused.reshape(-1, *rest)
+
+
+def _group_rows(model: ModelConfig, tp_rank: int, tp_size: int) -> tuple[int, int, int, int]:
+    """This TP rank's query groups (a contiguous run) as (groups, query rows start, kv rows start, hd)."""
+    hd, groups = head_dim(model), model.num_key_value_heads // tp_size
+    first = tp_rank * groups
+    return groups, first * (model.num_attention_heads // model.num_key_value_heads) * hd, first * hd, hd
 
 
 def _fused_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model: ModelConfig,
                tp_rank: int, tp_size: int) -> torch.Tensor:
-    """Megatron's linear_qkv rows: per query group, its query heads then its key then its value;
-    TP rank r holds a contiguous run of whole groups."""
-    hd, groups = head_dim(model), model.num_key_value_heads
-    heads_per_group = model.num_attention_heads // groups
-    rest = q.shape[1:]
-    q = q.reshape(groups, heads_per_group * hd, *rest)
-    k = k.reshape(groups, hd, *rest)
-    v = v.reshape(groups, hd, *rest)
-    fused = torch.cat([q, k, v], dim=1)  # [groups, (heads_per_group + 2) * hd, ...]
-    return _tp_slice(fused, 0, tp_rank, tp_size).reshape(-1, *rest)
+    """TP rank's linear_qkv rows from full q, k, v: a contiguous run of whole query groups."""
+    groups, q0, kv0, hd = _group_rows(model, tp_rank, tp_size)
+    q_rows = groups * (model.num_attention_heads // model.num_key_value_heads) * hd
+    return _fuse_groups(q[q0:q0 + q_rows], k[kv0:kv0 + groups * hd], v[kv0:kv0 + groups * hd], groups, hd)
 
 
 def megatron_tensor(name: str, layer: int | None, full: FullTensor, model: ModelConfig,
@@ -88,10 +122,13 @@ def megatron_tensor(name: str, layer: int | None, full: FullTensor, model: Model
 
     ``layer`` is the global index of the decoder layer the parameter belongs to (None outside layers).
     """
+    h, ffn = model.hidden_size, model.intermediate_size
     if name == "embedding.word_embeddings.weight":
-        emb = full("model.embed_tokens.weight")
-        emb = torch.cat([emb, emb.new_zeros(padded_vocab - emb.shape[0], emb.shape[1])])
-        return _tp_slice(emb, 0, tp_rank, tp_size)
+        # Rows of the padded vocabulary; the padding rows (beyond vocab_size) are zeros.
+        part = padded_vocab // tp_size
+        start, stop = tp_rank * part, min((tp_rank + 1) * part, model.vocab_size)
+        emb = _read(full, "model.embed_tokens.weight", 0, start, stop) if stop > start else torch.zeros(0, h)
+        return torch.cat([emb, emb.new_zeros(part - emb.shape[0], h)])
     if name == "decoder.final_layernorm.weight":
         return full("model.norm.weight")
     if name == "output_layer.weight":
@@ -100,23 +137,74 @@ def megatron_tensor(name: str, layer: int | None, full: FullTensor, model: Model
         return full("score.bias")
     p = f"model.layers.{layer}."
     local = name.split(".", 3)[3]  # decoder.layers.<i>.<local>
-    if local == "input_layernorm.weight":
-        return full(p + "input_layernorm.weight")
-    if local == "pre_mlp_layernorm.weight":
-        return full(p + "post_attention_layernorm.weight")
+    if local in _REPLICATED:
+        return full(p + _REPLICATED[local])
     if local in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = local.rsplit(".", 1)[1]
-        q, k, v = (full(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv")
-        return _fused_qkv(q, k, v, model, tp_rank, tp_size)
+        groups, q0, kv0, hd = _group_rows(model, tp_rank, tp_size)
+        q_rows = groups * (model.num_attention_heads // model.num_key_value_heads) * hd
+        q = _read(full, f"{p}self_attn.q_proj.{kind}", 0, q0, q0 + q_rows)
+        k, v = (_read(full, f"{p}self_attn.{x}_proj.{kind}", 0, kv0, kv0 + groups * hd) for x in "kv")
+        return _fuse_groups(q, k, v, groups, hd)
     if local == "self_attention.linear_proj.weight":
-        return _tp_slice(full(p + "self_attn.o_proj.weight"), 1, tp_rank, tp_size)
+        return _tp_part(full, p + "self_attn.o_proj.weight", 1, model.num_attention_heads * head_dim(model),
+                        tp_rank, tp_size)
     if local == "mlp.linear_fc1.weight":
-        gate = _tp_slice(full(p + "mlp.gate_proj.weight"), 0, tp_rank, tp_size)
-        up = _tp_slice(full(p + "mlp.up_proj.weight"), 0, tp_rank, tp_size)
+        gate = _tp_part(full, p + "mlp.gate_proj.weight", 0, ffn, tp_rank, tp_size)
+        up = _tp_part(full, p + "mlp.up_proj.weight", 0, ffn, tp_rank, tp_size)
         return torch.cat([gate, up])
     if local == "mlp.linear_fc2.weight":
-        return _tp_slice(full(p + "mlp.down_proj.weight"), 1, tp_rank, tp_size)
+        return _tp_part(full, p + "mlp.down_proj.weight", 1, ffn, tp_rank, tp_size)
     raise KeyError(f"no Hugging Face source for Megatron parameter {name!r}")
+
+
+# Decoder-layer parameters that every TP rank holds whole: Megatron local name -> HF name in the layer.
+_REPLICATED = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
+
+
+def hf_from_megatron(name: str, layer: int | None, pieces: list[torch.Tensor],
+                     model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`megatron_tensor`: the full HF tensors held by Megatron parameter ``name``, from
+    its value on every TP rank (``pieces``, in TP rank order)."""
+    if name == "embedding.word_embeddings.weight":
+        return {"model.embed_tokens.weight": torch.cat(pieces)[: model.vocab_size]}  # drop the padding rows
+    if name == "decoder.final_layernorm.weight":
+        return {"model.norm.weight": pieces[0]}
+    if name in ("output_layer.weight", "output_layer.bias"):
+        return {"score." + name.rsplit(".", 1)[1]: pieces[0]}
+    p = f"model.layers.{layer}."
+    local = name.split(".", 3)[3]
+    if local in _REPLICATED:
+        return {p + _REPLICATED[local]: pieces[0]}
+    if local in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = local.rsplit(".", 1)[1]
+        hd, groups = head_dim(model), model.num_key_value_heads
+        fused = torch.cat(pieces)  # ranks hold consecutive groups, so this is the TP=1 layout
+        rest = fused.shape[1:]
+        q, k, v = fused.reshape(groups, -1, *rest).split(
+            [model.num_attention_heads // groups * hd, hd, hd], dim=1)
+        return {f"{p}self_attn.{x}_proj.{kind}": t.reshape(-1, *rest) for x, t in zip("qkv", (q, k, v))}
+    if local == "self_attention.linear_proj.weight":
+        return {p + "self_attn.o_proj.weight": torch.cat(pieces, dim=1)}
+    if local == "mlp.linear_fc1.weight":
+        halves = [piece.chunk(2) for piece in pieces]  # each rank: [its gate rows; its up rows]
+        return {p + "mlp.gate_proj.weight": torch.cat([g for g, _ in halves]),
+                p + "mlp.up_proj.weight": torch.cat([u for _, u in halves])}
+    if local == "mlp.linear_fc2.weight":
+        return {p + "mlp.down_proj.weight": torch.cat(pieces, dim=1)}
+    raise KeyError(f"no Hugging Face name for Megatron parameter {name!r}")
+
+
+def param_layer(chunk: nn.Module, name: str) -> int | None:
+    """Global index of the decoder layer that chunk parameter ``name`` belongs to (None outside layers)."""
+    if not name.startswith("decoder.layers."):
+        return None
+    return chunk.decoder.layers[int(name.split(".")[2])].layer_number - 1
 
 
 @torch.no_grad()
@@ -124,12 +212,8 @@ def load_full_weights(chunks: list[nn.Module], full: FullTensor, model: ModelCon
                       tp_rank: int, tp_size: int, padded_vocab: int) -> None:
     """Fill every parameter of this rank's chunks from full Hugging Face-layout tensors."""
     for chunk in chunks:
-        layers = getattr(chunk.decoder, "layers", [])
         for name, param in chunk.named_parameters():
-            layer = None
-            if name.startswith("decoder.layers."):
-                layer = layers[int(name.split(".")[2])].layer_number - 1
-            value = megatron_tensor(name, layer, full, model, tp_rank, tp_size, padded_vocab)
+            value = megatron_tensor(name, param_layer(chunk, name), full, model, tp_rank, tp_size, padded_vocab)
             if value.shape != param.shape:
                 raise RuntimeError(f"{name}: expected shape {tuple(param.shape)}, built {tuple(value.shape)}")
             param.copy_(value)

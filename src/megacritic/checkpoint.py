@@ -1,0 +1,183 @@
+"""Checkpoints: Megatron distributed checkpointing, written atomically, verified by a manifest.
+
+Layout of ``<root>``::
+
+    step_00000012/            a complete checkpoint (the folder is renamed into place only when done)
+        <dist_checkpointing files>   model and optimizer state, resharded on load to any TP/PP/DP layout
+        trainer.json          step, iteration, critic call counter, LR scheduler state
+        MANIFEST.json         every file's size and SHA-256, written last
+    .tmp-step_00000015/       a save in progress (or interrupted): never loaded
+
+A crash while saving leaves only a ``.tmp-*`` folder; ``latest_checkpoint`` picks the newest folder whose
+manifest matches its files, so a truncated or corrupted checkpoint is skipped, not loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+MANIFEST = "MANIFEST.json"
+TRAINER_STATE = "trainer.json"
+# The optimizer state is stored per parameter in the model's own coordinates, so a checkpoint saved
+# under one TP/PP/DP layout loads under another. The memory-efficient variant gathers the distributed
+# optimizer's shards over the data-parallel gloo group (the other one moves them through NCCL, and
+# hard-codes .cuda() on the way): host memory only, on GPU and CPU alike.
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
+                     "distrib_optim_fully_reshardable_mem_efficient": True}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupted."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _sharded_state(model: list, optimizer, loading: bool) -> dict:
+    # Tensor keys inside are global (layers by their global number), so they do not depend on how the
+    # layers are split over pipeline stages and virtual chunks.
+    state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
+    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading, metadata=_OPTIMIZER_FORMAT)
+    return state
+
+
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _list_files(folder: str) -> list[str]:
+    out = []
+    for base, _, files in os.walk(folder):
+        out += [os.path.relpath(os.path.join(base, f), folder) for f in files if f != MANIFEST]
+    return sorted(out)
+
+
+def save_checkpoint(root: str, step: int, model: list, optimizer, trainer_state: dict) -> str:
+    """Collective: every rank calls it. Returns the final folder."""
+    final = os.path.join(root, checkpoint_name(step))
+    tmp = os.path.join(root, ".tmp-" + checkpoint_name(step))
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, loading=False), tmp,
+                            content_metadata=_OPTIMIZER_FORMAT)
+    dist.barrier()
+    if rank0:
+        with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
+            json.dump(trainer_state, f)
+        files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
+                        "sha256": _file_digest(os.path.join(tmp, name))} for name in _list_files(tmp)}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({"step": step, "files": files}, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # atomic: the checkpoint appears complete or not at all
+    dist.barrier()
+    return final
+
+
+def verify_checkpoint(folder: str) -> None:
+    """Raise CheckpointError unless every file listed in the manifest is present with its size and hash."""
+    manifest_path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"{folder}: no {MANIFEST} (the save did not finish)")
+    try:
+        with open(manifest_path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{folder}: unreadable {MANIFEST}: {exc}") from None
+    for name, meta in files.items():
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{folder}: {name} is missing")
+        if os.path.getsize(path) != meta["bytes"]:
+            raise CheckpointError(f"{folder}: {name} has {os.path.getsize(path)} bytes, expected {meta['bytes']}")
+        if _file_digest(path) != meta["sha256"]:
+            raise CheckpointError(f"{folder}: {name} does not match its checksum (corrupted)")
+
+
+def latest_checkpoint(root: str) -> tuple[str | None, list[str]]:
+    """The newest intact checkpoint under ``root`` (or None), and why newer ones were skipped."""
+    if not os.path.isdir(root):
+        return None, []
+    skipped = []
+    for name in sorted((n for n in os.listdir(root) if n.startswith("step_")), reverse=True):
+        folder = os.path.join(root, name)
+        try:
+            verify_checkpoint(folder)
+            return folder, skipped
+        except CheckpointError as exc:
+            skipped.append(str(exc))
+    return None, skipped
+
+
+def _materialise_adam_state(optimizer) -> None:
+    """torch's Adam creates its state (step, moments) at the first step; Megatron's state-dict code expects
+    it to exist when loading into a fresh optimizer. Zeros here; the checkpoint overwrites them."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = inner.optimizer
+        for group in torch_optimizer.param_groups:
+            for p in group["params"]:
+                state = torch_optimizer.state[p]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+
+
+@contextlib.contextmanager
+def _adam_step_set_aside(optimizer):
+    """megatron-core 0.16 loads fully-reshardable optimizer state by copying into *every* state entry of a
+    parameter but leaves torch Adam's ``step`` out of the source (it restores ``step`` separately, from
+    the common state, as one tensor shared by all parameters). Set ``step`` aside while the per-parameter
+    state is copied, and give each parameter its own copy back: torch's multi-tensor Adam increments
+    ``step`` in place, so a shared tensor would advance once per parameter."""
+    aside = []
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            if "step" in state:
+                aside.append((state, state.pop("step")))
+    try:
+        yield
+    finally:
+        for state, step in aside:
+            state["step"] = step.clone()
+
+
+def load_checkpoint(folder: str, model: list, optimizer) -> dict:
+    """Collective: load model and optimizer state (any layout) and return the trainer state."""
+    verify_checkpoint(folder)
+    _materialise_adam_state(optimizer)
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True), folder)
+    for i, chunk in enumerate(model):
+        chunk.module.load_state_dict(state[f"model{i}"])
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    originals = [inner.load_parameter_state_from_fully_reshardable for inner in inners
+                 if hasattr(inner, "load_parameter_state_from_fully_reshardable")]
+    for inner, original in zip(inners, originals):
+        def load_param_state(param_state, _inner=inner, _original=original):
+            with _adam_step_set_aside(_inner):
+                _original(param_state)
+        inner.load_parameter_state_from_fully_reshardable = load_param_state  # this instance only
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    finally:
+        for inner in inners:
+            inner.__dict__.pop("load_parameter_state_from_fully_reshardable", None)
+    with open(os.path.join(folder, TRAINER_STATE)) as f:
+        return json.load(f)

@@ -1,0 +1,411 @@
+"""Hugging Face checkpoints: config.json -> ModelConfig, safetensors -> full tensors read per rank's shard,
+and export of the critic as a ``*ForTokenClassification`` (one label) folder.
+
+Readers: transformers' ``AutoConfig`` for config.json, because it knows each family's defaults and turns
+every generation of config.json (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``) into one form;
+``safetensors`` for tensors, opened lazily and read tensor by tensor and slice by slice, so a rank reads
+only the rows of its own shard (a stage's tensors, cut by TP) and memory stays bounded by that shard.
+
+Families: llama (incl. Llama 3 RoPE scaling), qwen2, qwen3 (QK-norm), mistral. Every field of their
+config classes is either mapped onto :class:`~megacritic.config.ModelConfig`, checked to hold a value the
+value model computes exactly, or listed as inert below; any other (a field a newer transformers adds, or a
+checkpoint feature we cannot honour) is a :class:`~megacritic.config.ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megacritic.config import ConfigError, ModelConfig, head_dim
+from megacritic.model.weights import FullTensor, hf_from_megatron, hf_shapes, param_layer, seeded_initializer
+
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+
+# Family config fields that change neither the values nor a training step of the critic, and why.
+INERT_FIELDS = {
+    "initializer_range": "initialises weights, which come from the checkpoint",
+    "use_cache": "generation only",
+    "bos_token_id": "tokenizer metadata",
+    "eos_token_id": "tokenizer metadata",
+    # HF freezes the padding_idx embedding row; padding never reaches our model (it is removed first).
+    "pad_token_id": "tokenizer metadata",
+    "pretraining_tp": "splits matmuls in older transformers, numerically the same product",
+    "max_window_layers": "only places sliding-window layers, which layer_types then lists (and we check)",
+}
+# Family config fields mapped or checked by hf_model_fields.
+MAPPED_FIELDS = {
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+    "tie_word_embeddings", "attention_bias", "hidden_act", "mlp_bias", "attention_dropout",
+    "sliding_window", "use_sliding_window", "layer_types",
+}
+# Checkpoint tensors the critic does not use: the LM head (replaced by the value head), a classification
+# head unless the value head starts from it, and rotary tables old checkpoints stored (recomputed).
+_UNUSED_TENSORS = ("lm_head.weight", "lm_head.bias", "score.weight", "score.bias")
+
+
+def _fail(path: str, field: str, value, fix: str):
+    raise ConfigError(f"model.path={path!r}: config.json {field}={value!r}: {fix}")
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def read_hf_config(path: str):
+    """The transformers config of the folder at ``path`` (local files only)."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"model.path={path!r}: no config.json there (need a local Hugging Face model folder)")
+    raw = json.loads(config_file.read_text())
+    model_type = raw.get("model_type")
+    if model_type not in FAMILIES:
+        _fail(path, "model_type", model_type, f"supported families are {', '.join(FAMILIES)}")
+    if "quantization_config" in raw:
+        _fail(path, "quantization_config", raw["quantization_config"],
+              "quantized checkpoints are not supported; use a bf16 / fp32 one")
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (ValueError, TypeError) as exc:  # transformers' own validation of the file
+        raise ConfigError(f"model.path={path!r}: transformers rejects config.json: {exc}") from None
+
+
+def _family_fields(cfg) -> set[str]:
+    """Fields declared by the family's config class (not by PreTrainedConfig)."""
+    from transformers import PreTrainedConfig
+    fields: set[str] = set()
+    for klass in type(cfg).__mro__:
+        if klass is PreTrainedConfig or klass is object:
+            break
+        fields |= set(inspect.get_annotations(klass))
+    return fields
+
+
+def _rope(cfg, path: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling in ModelConfig's form) from the normalised ``rope_parameters``."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    theta = params.pop("rope_theta", None)
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if theta is None:
+        _fail(path, "rope_parameters.rope_theta", None, "the RoPE base is missing")
+    partial = params.pop("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        _fail(path, "partial_rotary_factor", partial, "partial rotary embeddings are not supported")
+    if kind == "default":
+        for key, value in params.items():
+            _fail(path, f"rope_parameters.{key}", value, "not a parameter of plain RoPE; remove it")
+        return float(theta), None
+    if kind == "llama3":
+        known = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        for key, value in params.items():
+            if key not in known:
+                _fail(path, f"rope_parameters.{key}", value, "not a parameter of llama3 RoPE scaling")
+        from megacritic.config import LLAMA3_ROPE_CONSTANTS
+        for key, value in LLAMA3_ROPE_CONSTANTS.items():
+            if params.get(key) != value:
+                _fail(path, f"rope_parameters.{key}", params.get(key),
+                      f"Megatron-Core's llama3 RoPE scaling fixes it at {value} (as in Llama 3.1-3.3)")
+        return float(theta), {"rope_type": "llama3", **params}
+    _fail(path, "rope_parameters.rope_type", kind,
+          "supported RoPE types (rope_parameters, or rope_scaling in older files) are default and llama3")
+
+
+def hf_model_fields(cfg, path: str) -> dict:
+    """ModelConfig fields for transformers config ``cfg``; ConfigError for anything we cannot honour."""
+    model_type = cfg.model_type
+    unknown = _family_fields(cfg) - MAPPED_FIELDS - set(INERT_FIELDS)
+    if unknown:
+        field = sorted(unknown)[0]
+        _fail(path, field, getattr(cfg, field, None),
+              "megacritic does not know whether this field changes the model; it cannot honour it")
+    if cfg.hidden_act != "silu":
+        _fail(path, "hidden_act", cfg.hidden_act, "the value model's MLP is SwiGLU (silu)")
+    if getattr(cfg, "mlp_bias", False):
+        _fail(path, "mlp_bias", True, "MLP biases are not supported")
+    if getattr(cfg, "attention_dropout", 0.0):
+        _fail(path, "attention_dropout", cfg.attention_dropout, "dropout is not supported; set it to 0.0")
+    if model_type == "qwen2":
+        qkv_bias = True  # Qwen2 always has Q/K/V biases (and no output-projection bias)
+    else:
+        qkv_bias = False
+        if getattr(cfg, "attention_bias", False):
+            _fail(path, "attention_bias", True,
+                  f"in {model_type} it also adds an o_proj bias, which the value model does not have")
+    sliding = [t for t in (getattr(cfg, "layer_types", None) or []) if t != "full_attention"]
+    if sliding:
+        _fail(path, "layer_types", sliding[0], "only full attention is supported (sliding window is used)")
+    window = getattr(cfg, "sliding_window", None) if model_type == "mistral" else None
+    if window is not None and window < cfg.max_position_embeddings:
+        _fail(path, "sliding_window", window,
+              f"a window shorter than max_position_embeddings ({cfg.max_position_embeddings}) changes "
+              "attention; only full attention is supported")
+    theta, rope_scaling = _rope(cfg, path)
+    return dict(
+        model_type=model_type,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        attention_bias=qkv_bias,
+        qk_layernorm=model_type == "qwen3",
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+    )
+
+
+def apply_hf_config(model: ModelConfig) -> None:
+    """Fill ``model``'s architecture from config.json at model.path. A field set to something other than
+    its default and the checkpoint's value is an error: the checkpoint defines the architecture."""
+    cfg = read_hf_config(model.path)
+    defaults, fields = ModelConfig(), hf_model_fields(cfg, model.path)
+    for key, value in fields.items():
+        current = getattr(model, key)
+        if current != value and current != getattr(defaults, key):
+            raise ConfigError(f"model.{key}={current!r}: the checkpoint at model.path has {key}={value!r}; "
+                              f"unset model.{key} (the checkpoint defines the architecture)")
+    for key, value in fields.items():
+        setattr(model, key, value)
+    classifier = any(a.endswith(("ForTokenClassification", "ForSequenceClassification"))
+                     for a in cfg.architectures or [])
+    ckpt = Checkpoint(model.path)  # no safetensors is refused now, not at init_model (reads the index only)
+    if model.value_head_init == "from_checkpoint":
+        if classifier and cfg.num_labels != 1:
+            _fail(model.path, "num_labels", cfg.num_labels,
+                  "model.value_head_init=from_checkpoint needs a one-label score head (a scalar reward / value)")
+        value_head_names(ckpt, model)
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+
+class Checkpoint:
+    """The tensors of a local safetensors checkpoint (one file, or shards with an index), read lazily."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+        self._safe_open = safe_open
+        self.folder = Path(folder)
+        index, single = self.folder / "model.safetensors.index.json", self.folder / "model.safetensors"
+        if index.is_file():
+            self.files: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif single.is_file():
+            with safe_open(str(single), framework="pt") as f:
+                self.files = {name: single.name for name in f.keys()}
+        else:
+            raise ConfigError(f"model.path={str(folder)!r}: no model.safetensors or model.safetensors.index.json "
+                              "(only safetensors checkpoints are read; re-save with save_pretrained)")
+        self._handles: dict = {}
+
+    def _handle(self, name: str):
+        file = self.files[name]
+        if file not in self._handles:  # memory-mapped: opening reads only the header
+            self._handles[file] = self._safe_open(str(self.folder / file), framework="pt")
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tensor ``name``, or only its rows start:stop along ``dim``."""
+        if dim is None:
+            return self._handle(name).get_tensor(name)
+        return self._handle(name).get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
+
+
+class CheckpointSource:
+    """Full tensors (by value-model name, as :func:`hf_shapes`) from the checkpoint at model.path, plus the
+    value head per model.value_head_init. Checks every name and shape up front, from headers only."""
+
+    def __init__(self, model: ModelConfig, seed: int):
+        self.ckpt = ckpt = Checkpoint(model.path)
+        path = model.path
+        # *ForCausalLM / *ForTokenClassification name the decoder "model."; a bare *Model saves without it.
+        self.prefix = "model." if "model.embed_tokens.weight" in ckpt else ""
+        expected = {n: s for n, s in hf_shapes(model).items() if not n.startswith("score.")}
+        for name, shape in expected.items():
+            stored = self._stored(name)
+            if stored not in ckpt:
+                raise ConfigError(f"model.path={path!r}: tensor {stored} is missing from the checkpoint")
+            if ckpt.shape(stored) != shape:
+                raise ConfigError(f"model.path={path!r}: tensor {stored} has shape {ckpt.shape(stored)}, "
+                                  f"config.json implies {shape}")
+        known = {self._stored(n) for n in expected} | set(_UNUSED_TENSORS)
+        extra = sorted(n for n in ckpt.files if n not in known and not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise ConfigError(f"model.path={path!r}: checkpoint tensor {extra[0]} (and {len(extra) - 1} more) has "
+                              f"no place in a {model.model_type} value model; the architecture differs")
+        self.head = self._value_head(model, seed)
+
+    def _stored(self, name: str) -> str:
+        return self.prefix + name[len("model."):] if name.startswith("model.") else name
+
+    def _value_head(self, model: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+        if model.value_head_init != "from_checkpoint":
+            seeded = seeded_initializer(model, seed)
+            return {"score.weight": seeded("score.weight"), "score.bias": seeded("score.bias")}
+        weight_name, bias_name = value_head_names(self.ckpt, model)
+        weight = self.ckpt.read(weight_name)
+        # *ForSequenceClassification heads have no bias: the value head's starts at zero then.
+        bias = self.ckpt.read(bias_name).reshape(1) if bias_name else torch.zeros(1, dtype=weight.dtype)
+        return {"score.weight": weight, "score.bias": bias}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name in self.head:
+            return self.head[name]
+        return self.ckpt.read(self._stored(name))
+
+    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        if name in self.head:
+            return self.head[name].narrow(dim, start, stop - start)
+        return self.ckpt.read(self._stored(name), dim, start, stop)
+
+
+def value_head_names(ckpt: Checkpoint, model: ModelConfig) -> tuple[str, str | None]:
+    """Checkpoint names of the (weight, bias or None) a from_checkpoint value head starts from: a reward
+    model's one-label ``score`` head, else a one-row ``lm_head``. Reads headers only."""
+    h = model.hidden_size
+    for head in ("score", "lm_head"):
+        if f"{head}.weight" not in ckpt:
+            continue
+        shape = ckpt.shape(f"{head}.weight")
+        if head == "lm_head" and shape[0] != 1:
+            continue  # an ordinary language-model head
+        if shape != (1, h):
+            raise ConfigError(f"model.value_head_init=from_checkpoint: {head}.weight has shape {shape} "
+                              f"(num_labels={shape[0]}); need one label, shape (1, {h})")
+        return f"{head}.weight", f"{head}.bias" if f"{head}.bias" in ckpt else None
+    raise ConfigError(f"model.value_head_init=from_checkpoint: the checkpoint at model.path={model.path!r} has "
+                      "no one-label score head (score.weight) nor a one-row lm_head.weight; use normal or zeros")
+
+
+def checkpoint_source(model: ModelConfig, seed: int) -> FullTensor:
+    return CheckpointSource(model, seed)
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def export_family(model: ModelConfig) -> str:
+    """The Hugging Face family an exported checkpoint uses; ConfigError if none computes this model."""
+    family = model.model_type or ("qwen3" if model.qk_layernorm else "qwen2" if model.attention_bias else "llama")
+    # What each family's config can express: Q/K/V bias only in qwen2, QK-norm only in qwen3.
+    if model.attention_bias != (family == "qwen2") or model.qk_layernorm != (family == "qwen3"):
+        raise ConfigError(f"model.model_type={family!r}: with attention_bias={model.attention_bias} and "
+                          f"qk_layernorm={model.qk_layernorm} no Hugging Face family of "
+                          f"{', '.join(FAMILIES)} computes this model; it cannot be exported")
+    return family
+
+
+def export_config(model: ModelConfig, dtype: torch.dtype):
+    """transformers config of the exported ``*ForTokenClassification`` (one label) model."""
+    import transformers
+    family = export_family(model)
+    if model.path is not None:
+        cfg = read_hf_config(model.path)  # keeps its token ids and other metadata; the architecture is ours
+    else:
+        rope = {"rope_type": "default", "rope_theta": model.rope_theta}
+        if model.rope_scaling is not None:
+            from megacritic.config import LLAMA3_ROPE_CONSTANTS
+            rope.update({"rope_type": "llama3", "factor": float(model.rope_scaling["factor"]),
+                         **LLAMA3_ROPE_CONSTANTS})
+        cfg = getattr(transformers, f"{FAMILIES[family]}Config")(
+            vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
+            num_hidden_layers=model.num_hidden_layers, num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_key_value_heads, max_position_embeddings=model.max_position_embeddings,
+            rms_norm_eps=model.rms_norm_eps, tie_word_embeddings=model.tie_word_embeddings, rope_parameters=rope)
+        if "head_dim" in _family_fields(cfg) or head_dim(model) != model.hidden_size // model.num_attention_heads:
+            cfg.head_dim = head_dim(model)
+    cfg.architectures = [f"{FAMILIES[family]}ForTokenClassification"]
+    cfg.num_labels = 1
+    cfg.token_classification_bias = True  # our value head has a bias
+    cfg.classifier_dropout = 0.0  # the critic trains without dropout
+    cfg.dtype = dtype
+    return cfg
+
+
+@torch.no_grad()
+def export_hf(chunks: list, model: ModelConfig, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write the critic as a Hugging Face ``*ForTokenClassification`` folder (config.json + safetensors).
+
+    Collective: every rank of the world calls it. Each pipeline stage's tensors are gathered over TP on its
+    first data-parallel replica, then sent stage by stage to global rank 0, which writes one safetensors
+    shard per stage (one file for PP = 1). Memory on rank 0 is bounded by one stage's full tensors.
+    ``chunks`` may be DDP-wrapped; ``dtype`` defaults to the parameters' dtype.
+    """
+    from megatron.core import parallel_state as mpu
+    from safetensors.torch import save_file
+
+    export_family(model)  # refuse on every rank before any collective
+    chunks = [getattr(chunk, "module", chunk) for chunk in chunks]
+    tp, tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
+    first_replica = mpu.get_data_parallel_rank() == 0
+    writer = first_replica and mpu.get_tensor_model_parallel_rank() == 0
+    rank = dist.get_rank()
+    device = next(chunks[0].parameters()).device
+    dtype = dtype or next(chunks[0].parameters()).dtype
+
+    # 1. This stage's full tensors, gathered over its TP group.
+    tensors: dict[str, torch.Tensor] = {}
+    if first_replica:
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                pieces = [param.data]
+                if tp > 1:
+                    pieces = [torch.empty_like(param.data) for _ in range(tp)]
+                    dist.all_gather(pieces, param.data.contiguous(), group=tp_group)
+                if writer:
+                    for hf_name, t in hf_from_megatron(name, param_layer(chunk, name), pieces, model).items():
+                        tensors[hf_name] = t.to(dtype).contiguous()
+
+    # 2. Every writer's tensor names and shapes, then rank 0 receives and writes stage by stage.
+    listing = [(n, tuple(t.shape)) for n, t in tensors.items()] if writer else None
+    listings = [None] * dist.get_world_size()
+    dist.all_gather_object(listings, listing)
+    stages = [(src, names) for src, names in enumerate(listings) if names is not None]
+    out = Path(out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for k, (src, names) in enumerate(stages):
+        file = "model.safetensors" if len(stages) == 1 else f"model-{k + 1:05d}-of-{len(stages):05d}.safetensors"
+        if rank == src and src != 0:
+            for name, _ in names:
+                dist.send(tensors[name], dst=0)
+        if rank == 0:
+            shard = {}
+            for name, shape in names:
+                if src == 0:
+                    t = tensors[name]
+                else:
+                    t = torch.empty(shape, dtype=dtype, device=device)
+                    dist.recv(t, src=src)
+                shard[name] = t.cpu()
+                weight_map[name] = file
+                total += t.numel() * t.element_size()
+            save_file(shard, str(out / file), metadata={"format": "pt"})
+            del shard
+    if rank == 0:
+        missing = set(hf_shapes(model)) ^ set(weight_map)
+        if missing:
+            raise RuntimeError(f"export gathered the wrong set of tensors: {sorted(missing)[:5]}")
+        if len(stages) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        export_config(model, dtype).save_pretrained(str(out))
+    dist.barrier()
