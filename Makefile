@@ -16,8 +16,15 @@ $(VENV)/.installed: pyproject.toml requirements-lock.txt
 	$(PY) -m pip install -q -c requirements-lock.txt -e ".[test]"
 	touch $@
 
-train: setup
-	$(PY) -m megacritic train $(ARGS)
+# The embedded default model: a tiny Qwen2-style Hugging Face folder generated from the seed, so that
+# `make train` starts through the same checkpoint loader as a real model.
+DEFAULT_MODEL := .cache/default-critic
+
+$(DEFAULT_MODEL)/config.json: $(VENV)/.installed
+	$(PY) -m megacritic init-hf --out $(DEFAULT_MODEL)
+
+train: setup $(DEFAULT_MODEL)/config.json
+	$(PY) -m megacritic train model.path=$(DEFAULT_MODEL) $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q
@@ -29,4 +36,4 @@ bench: setup
 	$(PY) -m megacritic bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs .pytest_cache .cache

@@ -23,7 +23,13 @@ def _records(out):
 
 @pytest.mark.slow
 def test_default_job_learns(tmp_path):
-    proc, out = _train([], tmp_path)
+    # as `make train` runs it: the embedded default written as a Hugging Face folder, then loaded from it
+    folder = tmp_path / "default-critic"
+    init = subprocess.run([sys.executable, "-m", "megacritic", "init-hf", "--out", str(folder)],
+                          capture_output=True, text=True, timeout=600)
+    assert init.returncode == 0, init.stderr[-4000:]
+    assert (folder / "config.json").exists() and (folder / "model.safetensors").exists()
+    proc, out = _train([f"model.path={folder}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = _records(out)
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
@@ -56,3 +62,35 @@ def test_torchrun_tensor_parallel(tmp_path):
     proc, out = _train(["megatron.tensor_model_parallel_size=2", "trainer.steps=2"], tmp_path, launcher)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(_records(out)) == 2 * 64 // 16
+
+
+@pytest.mark.slow
+def test_export_hf_from_checkpoint_matches_the_critic(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from megacritic import CriticWorker, load_config
+    from megacritic.data import SyntheticRollouts
+
+    args = ["data.rollouts_per_step=16", "ppo_mini_batch_size=8", "trainer.steps=2", "trainer.save_every=2"]
+    proc, out = _train(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    checkpoint = out / "checkpoints" / "step_00000002"
+    export = subprocess.run([sys.executable, "-m", "megacritic", "export-hf", "--checkpoint", str(checkpoint),
+                             "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=600)
+    assert export.returncode == 0, export.stderr[-4000:]
+
+    config = load_config(args)
+    worker = CriticWorker(config)
+    worker.init_model()
+    worker.load_checkpoint(str(checkpoint))
+    batch = SyntheticRollouts(config).batch(7)
+    ours = worker.compute_values(batch)
+    worker.close()
+    model = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "hf").eval()
+    r = batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, -r - 1:-1, 0]
+    theirs = logits * batch["attention_mask"][:, -r:]
+    assert float((ours - theirs).norm() / theirs.norm()) < 1e-5

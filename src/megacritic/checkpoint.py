@@ -159,6 +159,13 @@ def _adam_step_set_aside(optimizer):
             state["step"] = step.clone()
 
 
+def read_trainer_state(folder: str) -> dict:
+    """The JSON state saved beside the tensors (no collective; any process can read it)."""
+    verify_checkpoint(folder)
+    with open(os.path.join(folder, TRAINER_STATE)) as f:
+        return json.load(f)
+
+
 def load_checkpoint(folder: str, model: list, optimizer) -> dict:
     """Collective: load model and optimizer state (any layout) and return the trainer state."""
     verify_checkpoint(folder)

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 import warnings
 
@@ -26,9 +27,10 @@ warnings.filterwarnings("ignore", category=UserWarning,
                         module=r"megatron\.core\.(transformer\.transformer_config|optimizer\.optimizer)$")
 
 import torch.distributed as dist  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from megacritic.checkpoint import latest_checkpoint  # noqa: E402
+from megacritic.checkpoint import CheckpointError, latest_checkpoint, read_trainer_state  # noqa: E402
 from megacritic.config import ConfigError, load_config, to_dict  # noqa: E402
 from megacritic.data import SyntheticRollouts  # noqa: E402
 from megacritic.worker import CriticWorker  # noqa: E402
@@ -122,12 +124,53 @@ def train(config) -> dict[str, float]:
     return last
 
 
+def export_checkpoint(checkpoint: str, out: str, overrides: list[str]) -> None:
+    """Rebuild the critic a checkpoint was saved from (its own config), load it, write a HF folder."""
+    saved = read_trainer_state(checkpoint)["config"]
+    # The architecture is in the saved config; weights come from the checkpoint, not from model.path.
+    base = OmegaConf.create(saved)
+    base.model.path, base.model.value_head_init = None, "normal"
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(OmegaConf.to_yaml(base))
+    config = load_config(["megatron.tensor_model_parallel_size=1", "megatron.pipeline_model_parallel_size=1",
+                          "megatron.virtual_pipeline_model_parallel_size=null", *overrides], f.name)
+    os.unlink(f.name)
+    worker = CriticWorker(config)
+    worker.init_model()
+    try:
+        worker.load_checkpoint(checkpoint)
+        worker.export_hf(out)
+    finally:
+        worker.close()
+    if dist.get_rank() == 0 if dist.is_initialized() else True:
+        print(f"exported {checkpoint} to {out}")
+
+
+def init_hf(out: str, config) -> None:
+    """Write the seeded initial critic of ``config`` as a HF folder (the embedded default model)."""
+    worker = CriticWorker(config)
+    worker.init_model()
+    try:
+        worker.export_hf(out)
+    finally:
+        worker.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megacritic", description="PPO critic training on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train the critic on the embedded rollout task")
     p_train.add_argument("--config", help="YAML file of settings (defaults < file < overrides)")
     p_train.add_argument("overrides", nargs="*", help="dotted.key=value settings, e.g. ppo_epochs=2")
+    p_export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face *ForTokenClassification folder")
+    p_export.add_argument("--checkpoint", required=True, help="a checkpoint folder (<output_dir>/checkpoints/step_N)")
+    p_export.add_argument("--out", required=True, help="folder to write (config.json + safetensors)")
+    p_export.add_argument("overrides", nargs="*", help="layout overrides when run under torchrun, e.g. "
+                                                       "megatron.tensor_model_parallel_size=2")
+    p_init = sub.add_parser("init-hf", help="write the seeded initial critic as a Hugging Face folder")
+    p_init.add_argument("--out", required=True, help="folder to write")
+    p_init.add_argument("--config", help="YAML file of settings")
+    p_init.add_argument("overrides", nargs="*", help="dotted.key=value settings (model.* defines the model)")
     sub.add_parser("bench", add_help=False, help="throughput benchmark (see `megacritic bench --help`)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -135,9 +178,17 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
     try:
+        if args.command == "export-hf":
+            export_checkpoint(args.checkpoint, args.out, args.overrides)
+            return 0
         config = load_config(args.overrides, args.config)
         if args.command == "train":
             train(config)
+        elif args.command == "init-hf":
+            init_hf(args.out, config)
+    except CheckpointError as exc:
+        print(f"megacritic: checkpoint error: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"megacritic: config error: {exc}", file=sys.stderr)
         return 2

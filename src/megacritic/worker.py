@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megacritic import checkpoint
 from megacritic.backend.cpu import enable_cpu_backend
-from megacritic.config import ConfigError, CriticConfig, validate, validate_layout
+from megacritic.config import ConfigError, CriticConfig, to_dict, validate, validate_layout
 from megacritic.critic import Layout, MegatronPPOCritic
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
 from megacritic.model.weights import load_full_weights, weight_source
@@ -160,7 +160,7 @@ class CriticWorker:
         ``trainer_state``) atomically; returns its folder."""
         critic = self._require_model()
         state = {"trainer": trainer_state, "update_calls": critic.update_calls,
-                 "scheduler": critic.scheduler.state_dict()}
+                 "scheduler": critic.scheduler.state_dict(), "config": to_dict(self.config)}
         return checkpoint.save_checkpoint(root, step, critic.model, critic.optimizer, state)
 
     def load_checkpoint(self, folder: str) -> dict:
