@@ -99,11 +99,13 @@ class MegatronConfig:
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     param_offload: bool = False
-    """Offloading is not supported yet; must stay false."""
+    """Keep parameters in host memory between calls (GPU only; needs use_distributed_optimizer, whose
+    contiguous buffer holds them), so a colocated rollout engine can use the device memory."""
     grad_offload: bool = False
-    """Offloading is not supported yet; must stay false."""
+    """Release the gradient buffers between calls (they are re-created, zeroed, at the next call)."""
     optimizer_offload: bool = False
-    """Offloading is not supported yet; must stay false."""
+    """Keep optimizer state (fp32 main parameters and Adam moments) in host memory between calls
+    (needs bf16 parameters: with fp32 ones the optimizer updates the parameters in place)."""
     seed: int = 42
     """Seed of the weight initialisation (identical for every parallel layout)."""
 
@@ -310,9 +312,12 @@ def validate(config: CriticConfig) -> None:
     if m.num_hidden_layers % pp:
         _fail("megatron.pipeline_model_parallel_size", pp,
               f"must divide model.num_hidden_layers ({m.num_hidden_layers})")
-    for key in ("param_offload", "grad_offload", "optimizer_offload"):
-        if getattr(mg, key):
-            _fail(f"megatron.{key}", True, "offloading is not supported yet; set it to false")
+    if mg.param_offload and not mg.use_distributed_optimizer:
+        _fail("megatron.param_offload", True, "needs megatron.use_distributed_optimizer=true (its contiguous "
+              "parameter buffer is what moves to host memory)")
+    if mg.optimizer_offload and m.dtype == "float32":
+        _fail("megatron.optimizer_offload", True, "needs bfloat16 parameters (model.dtype=bfloat16 or auto): "
+              "with float32 ones the optimizer state aliases the parameters")
 
     _positive("ppo_mini_batch_size", config.ppo_mini_batch_size)
     _positive("ppo_epochs", config.ppo_epochs)

@@ -2,13 +2,11 @@
 
 One rollout per row (a JSON object per line, or a Parquet row) with the fields
 
-==================  ========================================================================================
-``prompt_ids``      list of int token ids, at least one
-``response_ids``    list of int token ids, at least one
-``token_rewards``   list of float, one per response token                \\  exactly one of the two; null
-``score``           float, the whole response's reward (on its last token)  /  counts as absent
-``values``          optional list of float, old values, one per response token (null: absent)
-==================  ========================================================================================
+- ``prompt_ids``: list of int token ids, at least one;
+- ``response_ids``: list of int token ids, at least one;
+- exactly one of ``token_rewards`` (list of float, one per response token) and ``score`` (one float, the
+  response's reward, placed on its last token); a null counts as absent;
+- optionally ``values``: list of float, old values, one per response token (null: absent).
 
 Other fields are kept as they are. A bad row raises :class:`megacritic.batch.BatchError` naming the row
 (numbered from 0 in file order, plus the line number for JSONL) and the field.
@@ -85,8 +83,9 @@ def _floats(row: dict, field: str, length: int, where: str) -> list[float]:
 
 def validate_row(row, index: int = 0, line: int | None = None) -> dict:
     """Check one rollout and return it normalised: ``prompt_ids`` and ``response_ids`` (lists of int),
-    ``token_rewards`` (list of float, built from ``score`` when that was given), ``values`` only when present,
-    and every other field unchanged. Raises BatchError naming ``row index`` (and ``line``) and the field."""
+    ``token_rewards`` (list of float; a ``score`` is replaced by rewards that are 0 except the score on the
+    last response token), ``values`` (list of float) only when present, and every other field unchanged.
+    Normalising is idempotent. Raises BatchError naming ``row index`` (and ``line``) and the field."""
     where = _where(index, line)
     if not isinstance(row, dict):
         raise BatchError(f"{where}: expected an object with prompt_ids, response_ids and token_rewards or "
@@ -107,7 +106,7 @@ def validate_row(row, index: int = 0, line: int | None = None) -> dict:
         if not math.isfinite(score):
             raise BatchError(f"{where}: 'score' is not finite ({score})")
         rewards = [0.0] * (len(response) - 1) + [float(score)]
-    out = {k: v for k, v in row.items() if k not in ("values", "token_rewards")}
+    out = {k: v for k, v in row.items() if k not in ("values", "token_rewards", "score")}
     out.update(prompt_ids=prompt, response_ids=response, token_rewards=rewards)
     if row.get("values") is not None:
         out["values"] = _floats(row, "values", len(response), where)
@@ -161,7 +160,8 @@ def write_rollouts(rows: Sequence[dict], path: str | Path) -> None:
     if path.suffix.lower() in PARQUET_SUFFIXES:
         import pyarrow as pa
         import pyarrow.parquet as pq
-        pq.write_table(pa.Table.from_pylist(list(rows)), path)
+        keys = list(dict.fromkeys(k for row in rows for k in row))   # every field of any row, first-seen order
+        pq.write_table(pa.Table.from_pydict({k: [row.get(k) for row in rows] for k in keys}), path)
     else:
         with path.open("w", encoding="utf-8") as f:
             for row in rows:

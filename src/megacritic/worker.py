@@ -6,6 +6,7 @@ where it sets up a world of one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -77,6 +78,7 @@ class CriticWorker:
         self.layout: Layout | None = None
         self.critic: MegatronPPOCritic | None = None
         self._owns_process_group = False
+        self._offloaded = False
 
     def init_model(self) -> None:
         cfg, mg = self.config, self.config.megatron
@@ -131,6 +133,7 @@ class CriticWorker:
 
         # 6. The critic itself.
         self.critic = MegatronPPOCritic(cfg, layout, model, optimizer, scheduler)
+        self.offload()  # with megatron.*_offload, the critic waits in host memory for its first call
 
     def _schedule_steps(self) -> tuple[int, int]:
         o = self.config.optim
@@ -150,15 +153,66 @@ class CriticWorker:
         return self.critic
 
     def compute_values(self, data) -> torch.Tensor:
-        return self._require_model().compute_values(data)
+        with self._onloaded():
+            return self._require_model().compute_values(data)
 
     def update_critic(self, data) -> dict[str, list[float]]:
-        return self._require_model().update_critic(data)
+        with self._onloaded():
+            return self._require_model().update_critic(data)
+
+    # ---------------------------------------------------------------- offload (megatron.*_offload)
+
+    @contextlib.contextmanager
+    def _onloaded(self):
+        """With offloading configured, the critic lives in host memory between calls: onload for the call,
+        offload after it (also when it raises)."""
+        self.onload()
+        try:
+            yield
+        finally:
+            self.offload()
+
+    def offload(self) -> None:
+        """Move what megatron.{param,grad,optimizer}_offload name to host memory and release the device
+        memory. Nothing to move on CPU. Uses Megatron's own buffer and optimizer offload."""
+        critic, mg = self._require_model(), self.config.megatron
+        if self._offloaded or self.layout.device.type != "cuda" or not (
+                mg.param_offload or mg.grad_offload or mg.optimizer_offload):
+            return
+        torch.cuda.synchronize()
+        for chunk in critic.model:
+            if mg.grad_offload:
+                chunk.offload_grad_buffers(synchronize=False, empty_cache=False)
+            if mg.param_offload:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.offload_to_cpu(move_params=True, move_grads=False)
+        if mg.optimizer_offload:
+            critic.optimizer.offload_to_cpu()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def onload(self) -> None:
+        """Bring offloaded state back to the device (gradient buffers come back zeroed)."""
+        critic, mg = self._require_model(), self.config.megatron
+        if not self._offloaded:
+            return
+        for chunk in critic.model:
+            if mg.param_offload:
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                    buffer.reload_from_cpu(move_params=True, move_grads=False)
+            if mg.grad_offload:
+                chunk.restore_grad_buffers(synchronize=False)
+        if mg.optimizer_offload:
+            critic.optimizer.restore_from_cpu()
+        torch.cuda.synchronize()
+        self._offloaded = False
 
     def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> str:
         """Collective: write ``<root>/step_<step>`` (model, optimizer, LR schedule, shuffle position and
         ``trainer_state``) atomically; returns its folder."""
         critic = self._require_model()
+        self.onload()
         state = {"trainer": trainer_state, "update_calls": critic.update_calls,
                  "scheduler": critic.scheduler.state_dict(), "config": to_dict(self.config)}
         return checkpoint.save_checkpoint(root, step, critic.model, critic.optimizer, state)
@@ -166,6 +220,7 @@ class CriticWorker:
     def load_checkpoint(self, folder: str) -> dict:
         """Collective: restore a checkpoint saved under any TP / PP / DP layout; returns its trainer_state."""
         critic = self._require_model()
+        self.onload()
         state = checkpoint.load_checkpoint(folder, critic.model, critic.optimizer)
         critic.scheduler.load_state_dict(state["scheduler"])
         critic.update_calls = state["update_calls"]
@@ -184,4 +239,5 @@ class CriticWorker:
         """Write the critic as a Hugging Face ``*ForTokenClassification`` (num_labels=1) folder, gathered from
         any TP / PP layout. Collective: every rank calls it; rank 0 writes."""
         from megacritic.model.hf import export_hf
+        self.onload()
         export_hf(self._require_model().model, self.config.model, out_dir)
