@@ -2,8 +2,9 @@
 
 :func:`compute_gae` reproduces ``compute_gae_advantage_return`` of verl's ``verl/trainer/ppo/core_algos.py``
 and the masked statistics of ``verl/utils/torch_functional.py`` (``masked_sum`` / ``masked_mean`` /
-``masked_var`` / ``masked_whiten``), as they stand in current verl (checked against volcengine/verl,
-core_algos.py at commit 012be9d9dcb7c38499f23616142870d2682757fc).
+``masked_var`` / ``masked_whiten``), as they stand in current verl (read from volcengine/verl:
+core_algos.py at commit 012be9d9dcb7c38499f23616142870d2682757fc, torch_functional.py at commit
+33ddc71428da6e945cee80f6020dac4b59cb9c63; later verl makes ``masked_sum`` NaN-safe with ``torch.where``).
 
 Masking convention (current verl, "skip values and TD-error on observation tokens"): the backward recursion
 over the response *skips* positions whose mask is 0. At such a position ``nextvalues`` and ``lastgaelam``

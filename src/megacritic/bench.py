@@ -70,7 +70,7 @@ def rollouts(n: int, vocab: int, max_prompt: int, max_response: int, seed: int =
 def forward_flops(shape: dict, seq_lens: list[int]) -> float:
     """Forward FLOPs of the real tokens: matmuls (2 per multiply-add) plus causal attention (QK^T, PV)."""
     h, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = h // heads
+    d = shape.get("head_dim") or h // heads
     q_dim, kv_dim = heads * d, kv * d
     per_token = 2 * (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * shape["intermediate_size"] + h)
     tokens = sum(seq_lens)

@@ -12,6 +12,7 @@ step; only global rank 0 writes and prints.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -28,11 +29,16 @@ warnings.filterwarnings("ignore", category=UserWarning,
 
 import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from tensorboardX import SummaryWriter  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from megacritic.bench import PEAK_FLOPS, forward_flops, machine_kind  # noqa: E402
 from megacritic.checkpoint import CheckpointError, latest_checkpoint, read_trainer_state  # noqa: E402
 from megacritic.config import ConfigError, load_config, to_dict  # noqa: E402
-from megacritic.data import SyntheticRollouts  # noqa: E402
+from megacritic.advantages import compute_gae  # noqa: E402
+from megacritic.batch import BatchError  # noqa: E402
+from megacritic.data import rollout_source  # noqa: E402
+from megacritic.plots import plot_training_curves  # noqa: E402
 from megacritic.worker import CriticWorker  # noqa: E402
 
 
@@ -69,6 +75,21 @@ def _open_log(path: str, keep_steps: int):
     return log
 
 
+def _batch_metrics(batch, update_time: float, config, peak_flops: float) -> dict[str, float]:
+    """Per-iteration statistics of the values and returns (response tokens) and the update's MFU on the
+    real, unpadded tokens against the device's dense bf16 peak (NaN where the peak is unknown, e.g. CPU)."""
+    r = batch["responses"].shape[1]
+    mask = batch["attention_mask"][:, -r:].bool()
+    out = {}
+    for key in ("values", "returns"):
+        x = batch[key][mask].double()
+        out.update({f"critic/{key}/mean": x.mean().item(), f"critic/{key}/max": x.max().item(),
+                    f"critic/{key}/min": x.min().item()})
+    flops = 3 * forward_flops(dataclasses.asdict(config.model), batch["attention_mask"].sum(1).tolist())
+    out["perf/mfu"] = flops * config.ppo_epochs / update_time / peak_flops
+    return out
+
+
 def train(config) -> dict[str, float]:
     """Run the main job; returns the last optimizer step's metrics."""
     t = config.trainer
@@ -78,13 +99,16 @@ def train(config) -> dict[str, float]:
     ckpt_root = os.path.join(t.output_dir, "checkpoints")
     state = _resume(worker, ckpt_root, speaker) if t.resume else {}
     first, step = state.get("iteration", 0), state.get("step", 0)
-    data = SyntheticRollouts(config)
-    log = None
+    data = rollout_source(config)
+    peak_flops = PEAK_FLOPS.get(machine_kind(), float("nan"))
+    log = board = None
     if speaker:
         os.makedirs(t.output_dir, exist_ok=True)
         with open(os.path.join(t.output_dir, "config.json"), "w") as f:
             json.dump(to_dict(config), f, indent=2)
         log = _open_log(os.path.join(t.output_dir, "metrics.jsonl"), keep_steps=step)
+        if t.tensorboard:
+            board = SummaryWriter(os.path.join(t.output_dir, "tensorboard"), purge_step=step + 1)
     bar = tqdm(range(first, t.steps), desc="critic", initial=first, total=t.steps,
                disable=not (speaker and t.progress), dynamic_ncols=True)
     last = {}
@@ -92,19 +116,29 @@ def train(config) -> dict[str, float]:
         for iteration in bar:
             batch = data.batch(iteration)
             start = time.perf_counter()
-            batch["values"] = worker.compute_values(batch)
+            if "values" not in batch.keys():  # a rollout file may carry the old values of its producer
+                batch["values"] = worker.compute_values(batch)
             values_time = time.perf_counter() - start
+            if "returns" not in batch.keys():
+                _, batch["returns"] = compute_gae(batch["token_level_rewards"], batch["values"],
+                                                  batch["response_mask"], config.algorithm.gamma,
+                                                  config.algorithm.lam)
             start = time.perf_counter()
             metrics = worker.update_critic(batch)
             update_time = time.perf_counter() - start
+            batch_metrics = _batch_metrics(batch, update_time, config, peak_flops)
             for i in range(len(metrics["critic/vf_loss"])):
                 step += 1
                 last = {k: v[i] for k, v in metrics.items()}
-                record = {"step": step, "iteration": iteration + 1, **last,
+                record = {"step": step, "iteration": iteration + 1, **last, **batch_metrics,
                           "timing_s/values": values_time, "timing_s/update_critic": update_time}
                 if log:
                     log.write(json.dumps({k: _finite_or_none(v) if isinstance(v, float) else v
                                           for k, v in record.items()}) + "\n")
+                if board:
+                    for key, value in record.items():
+                        if key not in ("step", "iteration") and isinstance(value, float) and math.isfinite(value):
+                            board.add_scalar(key, value, step)
             if log:
                 log.flush()
             bar.set_postfix(vf_loss=f"{last['critic/vf_loss']:.4g}",
@@ -116,11 +150,16 @@ def train(config) -> dict[str, float]:
         bar.close()
         if log:
             log.close()
+        if board:
+            board.close()
         worker.close()
     if speaker and last:
-        print(f"done: {step} optimizer steps over {t.steps} iterations; "
-              f"vf_loss {last['critic/vf_loss']:.4g}, explained variance {last['critic/vf_explained_var']:.4f}, "
-              f"grad norm {last['critic/grad_norm']:.3g}; metrics in {os.path.join(t.output_dir, 'metrics.jsonl')}")
+        curves = plot_training_curves(os.path.join(t.output_dir, "metrics.jsonl"),
+                                      os.path.join(t.output_dir, "training_curves.png"))
+        print(f"done: {step} optimizer steps over {t.steps} iterations\n"
+              f"  vf_loss {last['critic/vf_loss']:.4g}   explained variance {last['critic/vf_explained_var']:.4f}   "
+              f"clip fraction {last['critic/vf_clipfrac']:.3f}   grad norm {last['critic/grad_norm']:.3g}\n"
+              f"  metrics {os.path.join(t.output_dir, 'metrics.jsonl')}\n  curves  {curves}")
     return last
 
 
@@ -188,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             init_hf(args.out, config)
     except CheckpointError as exc:
         print(f"megacritic: checkpoint error: {exc}", file=sys.stderr)
+        return 2
+    except BatchError as exc:
+        print(f"megacritic: data error: {exc}", file=sys.stderr)
         return 2
     except ConfigError as exc:
         print(f"megacritic: config error: {exc}", file=sys.stderr)

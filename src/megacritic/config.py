@@ -12,6 +12,7 @@ never mutated: values derived from it (per-rank batch sizes, effective sequence 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -135,14 +136,29 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """The embedded synthetic rollout task used by ``megacritic train`` (see megacritic.data)."""
+    """Rollouts of ``megacritic train``: a Parquet / JSONL file, or the embedded synthetic task (see
+    megacritic.data and the README's schema)."""
 
+    path: Optional[str] = None
+    """Rollout file (.parquet or .jsonl; rows of prompt_ids, response_ids, token_rewards or score, optional
+    values). Unset: the embedded synthetic task, whose returns are given directly."""
     rollouts_per_step: int = 64
-    """Rollouts generated per PPO iteration (the train batch)."""
+    """Rollouts per PPO iteration (the train batch); a file is read in seeded shuffled passes of such
+    batches (data_loader_seed), the remainder of each pass left out."""
     prompt_length: list = field(default_factory=lambda: [4, 16])
     """Inclusive range of real prompt lengths; prompts are left-padded to the upper bound."""
     response_length: list = field(default_factory=lambda: [4, 32])
     """Inclusive range of real response lengths; responses are right-padded to the upper bound."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation for rollout files (verl's ``algorithm`` section)."""
+
+    gamma: float = 1.0
+    """Discount of GAE."""
+    lam: float = 1.0
+    """GAE lambda; returns = advantages + values (with lam = gamma = 1: the reward-to-go)."""
 
 
 @dataclass
@@ -157,6 +173,8 @@ class TrainerConfig:
     """Continue from the newest intact checkpoint in <output_dir>/checkpoints (if there is one)."""
     progress: bool = True
     """Show a progress bar (rank 0 only)."""
+    tensorboard: bool = True
+    """Also write the metrics as TensorBoard events to <output_dir>/tensorboard (rank 0 only)."""
 
 
 @dataclass
@@ -190,6 +208,7 @@ class CriticConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
@@ -362,6 +381,11 @@ def validate(config: CriticConfig) -> None:
     if t.save_every < 0:
         _fail("trainer.save_every", t.save_every, "must be 0 (no checkpoints) or a positive number of iterations")
     _positive("data.rollouts_per_step", d.rollouts_per_step)
+    if d.path is not None and not os.path.isfile(d.path):
+        _fail("data.path", d.path, "no such file (a .parquet or .jsonl rollout file)")
+    for key in ("gamma", "lam"):
+        if not 0 <= getattr(config.algorithm, key) <= 1:
+            _fail(f"algorithm.{key}", getattr(config.algorithm, key), "must lie in [0, 1]")
     for key in ("prompt_length", "response_length"):
         lo_hi = getattr(d, key)
         if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:

@@ -1,4 +1,10 @@
-"""The embedded rollout task of ``megacritic train``: synthetic rollouts whose returns a critic can learn.
+"""The rollouts of ``megacritic train``: a rollout file, or the embedded synthetic task.
+
+``rollout_source(config)`` picks one; each has ``batch(iteration) -> TensorDict`` in verl's layout. File
+batches carry ``token_level_rewards`` (returns come from GAE on the critic's values); synthetic batches
+carry their ``returns`` directly.
+
+The synthetic task: rollouts whose returns a critic can learn.
 
 Each token id v carries a fixed reward r(v) in {-1, +1} (drawn from ``data_loader_seed``). The return of
 response token j is the mean reward of every token *before* it (the prompt and response tokens 0..j-1):
@@ -12,7 +18,9 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from megacritic.batch import BatchError
 from megacritic.config import CriticConfig
+from megacritic.rollout_file import batch_indices, read_rollouts, to_batch
 
 
 class SyntheticRollouts:
@@ -49,3 +57,31 @@ class SyntheticRollouts:
             "responses": input_ids[:, p_hi:],
             "returns": returns.float(),
         }, batch_size=[b])
+
+
+class FileRollouts:
+    """Batches of ``data.rollouts_per_step`` rows of a rollout file, in seeded shuffled passes."""
+
+    def __init__(self, config: CriticConfig):
+        self.rows = read_rollouts(config.data.path)
+        self.batch_size = config.data.rollouts_per_step
+        self.seed = config.data_loader_seed if config.shuffle else None
+        if len(self.rows) < self.batch_size:
+            raise BatchError(f"{config.data.path} has {len(self.rows)} rollouts, fewer than "
+                             f"data.rollouts_per_step={self.batch_size}")
+        vocab = config.model.vocab_size
+        for i, row in enumerate(self.rows):
+            ids = row["prompt_ids"] + row["response_ids"]
+            if max(ids) >= vocab:
+                raise BatchError(f"{config.data.path} row {i}: token id {max(ids)} is outside the model's "
+                                 f"vocabulary of {vocab} (model.vocab_size)")
+
+    def batch(self, iteration: int) -> TensorDict:
+        per_pass = len(self.rows) // self.batch_size
+        epoch, index = divmod(iteration, per_pass)
+        rows = batch_indices(len(self.rows), self.batch_size, self.seed, epoch)[index]
+        return to_batch([self.rows[i] for i in rows])
+
+
+def rollout_source(config: CriticConfig):
+    return FileRollouts(config) if config.data.path else SyntheticRollouts(config)
