@@ -122,3 +122,17 @@ def test_tensorboard_events_are_written(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     events = list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 1000
+
+
+def test_consecutive_skipped_steps_stop_the_run(tmp_path):
+    # returns of 1e30 square to inf in float32: every step is skipped (weights kept), then the run stops
+    rows = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "score": 1e30} for _ in range(16)]
+    path = tmp_path / "overflow.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc, out = _train([f"data.path={path}", "data.rollouts_per_step=16", "ppo_mini_batch_size=8",
+                        "trainer.max_consecutive_skips=3", "trainer.steps=10"], tmp_path)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "trainer.max_consecutive_skips=3" in proc.stderr and "Traceback" not in proc.stderr
+    records = _records(out)
+    assert len(records) == 4 and all(r["critic/skipped_steps"] == 1.0 for r in records)
+    assert all(r["critic/grad_norm"] is None for r in records)  # NaN is written as null

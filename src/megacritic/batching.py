@@ -88,7 +88,7 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
     packed_params = None
     if packed:
         starts = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-        total = _round_up(int(starts[-1]), seq_multiple)
+        total = round_up(int(starts[-1]), seq_multiple)
         if pad_to is not None:
             total = max(total, pad_to[1])
         ids = torch.zeros(1, total, dtype=torch.long)
@@ -100,7 +100,7 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
                                         max_seqlen_q=max_len, max_seqlen_kv=max_len)
         value_index = starts[:-1, None] + value_pos
     else:
-        s = _round_up(longest, seq_multiple)
+        s = round_up(longest, seq_multiple)
         if pad_to is not None:
             b, s = max(b, pad_to[0]), max(s, pad_to[1])
         ids = torch.zeros(b, s, dtype=torch.long)
@@ -124,5 +124,5 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
                       rows=len(rows), **fields)
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

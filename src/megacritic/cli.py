@@ -46,6 +46,10 @@ def _finite_or_none(x: float):
     return x if math.isfinite(x) else None
 
 
+class TrainingError(RuntimeError):
+    """Training cannot usefully go on (e.g. too many skipped steps in a row)."""
+
+
 def _resume(worker: CriticWorker, root: str, speaker: bool) -> dict:
     """Trainer state of the newest intact checkpoint (empty when there is none)."""
     folder, skipped = latest_checkpoint(root)
@@ -111,7 +115,7 @@ def train(config) -> dict[str, float]:
             board = SummaryWriter(os.path.join(t.output_dir, "tensorboard"), purge_step=step + 1)
     bar = tqdm(range(first, t.steps), desc="critic", initial=first, total=t.steps,
                disable=not (speaker and t.progress), dynamic_ncols=True)
-    last = {}
+    last, skips = {}, 0
     try:
         for iteration in bar:
             batch = data.batch(iteration)
@@ -130,6 +134,7 @@ def train(config) -> dict[str, float]:
             for i in range(len(metrics["critic/vf_loss"])):
                 step += 1
                 last = {k: v[i] for k, v in metrics.items()}
+                skips = skips + 1 if last["critic/skipped_steps"] else 0
                 record = {"step": step, "iteration": iteration + 1, **last, **batch_metrics,
                           "timing_s/values": values_time, "timing_s/update_critic": update_time}
                 if log:
@@ -141,6 +146,10 @@ def train(config) -> dict[str, float]:
                             board.add_scalar(key, value, step)
             if log:
                 log.flush()
+            if skips >= t.max_consecutive_skips:
+                raise TrainingError(f"{skips} optimizer steps in a row were skipped for a non-finite loss or "
+                                    f"gradient (last at step {step}; trainer.max_consecutive_skips="
+                                    f"{t.max_consecutive_skips}): check the rollouts' returns and optim.lr")
             bar.set_postfix(vf_loss=f"{last['critic/vf_loss']:.4g}",
                             expl_var=f"{last['critic/vf_explained_var']:.3f}")
             done = iteration + 1
@@ -231,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     except BatchError as exc:
         print(f"megacritic: data error: {exc}", file=sys.stderr)
         return 2
+    except TrainingError as exc:
+        print(f"megacritic: training stopped: {exc}", file=sys.stderr)
+        return 3
     except ConfigError as exc:
         print(f"megacritic: config error: {exc}", file=sys.stderr)
         return 2

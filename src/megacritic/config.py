@@ -109,6 +109,9 @@ class MegatronConfig:
     (needs bf16 parameters: with fp32 ones the optimizer updates the parameters in place)."""
     seed: int = 42
     """Seed of the weight initialisation (identical for every parallel layout)."""
+    nccl_timeout: int = 600
+    """Seconds a collective may wait before the job fails with an error instead of hanging (every process
+    group, gloo included)."""
 
 
 @dataclass
@@ -173,6 +176,9 @@ class TrainerConfig:
     """Continue from the newest intact checkpoint in <output_dir>/checkpoints (if there is one)."""
     progress: bool = True
     """Show a progress bar (rank 0 only)."""
+    max_consecutive_skips: int = 10
+    """Stop with an error after this many optimizer steps in a row were skipped for non-finite loss or
+    gradients (each skip keeps the weights and is counted in critic/skipped_steps)."""
     tensorboard: bool = True
     """Also write the metrics as TensorBoard events to <output_dir>/tensorboard (rank 0 only)."""
 
@@ -331,6 +337,7 @@ def validate(config: CriticConfig) -> None:
     if m.num_hidden_layers % pp:
         _fail("megatron.pipeline_model_parallel_size", pp,
               f"must divide model.num_hidden_layers ({m.num_hidden_layers})")
+    _positive("megatron.nccl_timeout", mg.nccl_timeout)
     if mg.param_offload and not mg.use_distributed_optimizer:
         _fail("megatron.param_offload", True, "needs megatron.use_distributed_optimizer=true (its contiguous "
               "parameter buffer is what moves to host memory)")
@@ -378,6 +385,7 @@ def validate(config: CriticConfig) -> None:
         _fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be -1 (use the ratio) or non-negative")
 
     _positive("trainer.steps", t.steps)
+    _positive("trainer.max_consecutive_skips", t.max_consecutive_skips)
     if t.save_every < 0:
         _fail("trainer.save_every", t.save_every, "must be 0 (no checkpoints) or a positive number of iterations")
     _positive("data.rollouts_per_step", d.rollouts_per_step)

@@ -21,7 +21,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megacritic.batch import Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch, BatchError
-from megacritic.batching import MicroBatch, build_micro_batch, plan_micro_batches
+from megacritic.batching import MicroBatch, build_micro_batch, plan_micro_batches, round_up
 from megacritic.config import CriticConfig
 from megacritic.losses import STAT_KEYS, metrics_from_sums, stack_stats, token_weights, value_loss_and_stats
 from megacritic.partition import reverse_index
@@ -127,7 +127,9 @@ class MegatronPPOCritic:
         _, outputs = self.forward_backward_batch(local, forward_only=False, weights=weights)
         sums = self._reduce_stats(outputs)
         lr = self.optimizer.param_groups[0]["lr"]
-        if self._grads_finite():
+        # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
+        # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
+        if bool(torch.isfinite(sums[STAT_KEYS.index("loss")])) and self._grads_finite():
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
             skipped = 0.0
@@ -178,9 +180,9 @@ class MegatronPPOCritic:
         if layout.fixed_micro_batch_shape:
             lens = local.seq_lens
             if packed:
-                pad_to = (1, _round_up(max(int(lens[p].sum()) for p in parts), seq_multiple))
+                pad_to = (1, round_up(max(int(lens[p].sum()) for p in parts), seq_multiple))
             else:
-                pad_to = (max(len(p) for p in parts), _round_up(int(lens.max()), seq_multiple))
+                pad_to = (max(len(p) for p in parts), round_up(int(lens.max()), seq_multiple))
         micro_batches = [build_micro_batch(local, p, packed=packed, seq_multiple=seq_multiple, pad_to=pad_to,
                                            weights=weights, device=layout.device) for p in parts]
         shape_b = max(mb.input_ids.shape[0] for mb in micro_batches)
@@ -260,10 +262,6 @@ class MegatronPPOCritic:
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group_gloo())
         return int(t.item())
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _is_batch(data) -> bool:

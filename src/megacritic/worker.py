@@ -7,6 +7,7 @@ where it sets up a world of one.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 import socket
@@ -34,7 +35,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> bool:
+def init_distributed(timeout_s: int = 600) -> bool:
     """Join the torchrun world, or create a world of one. Returns True if this call created a world of one
     (which :meth:`CriticWorker.close` then tears down; a torchrun world stays up for the process)."""
     if dist.is_initialized():
@@ -44,12 +45,13 @@ def init_distributed() -> bool:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         return False
     else:
         if cuda:
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return True
 
 
@@ -86,11 +88,12 @@ class CriticWorker:
         world = int(os.environ.get("WORLD_SIZE", 1)) if not dist.is_initialized() else dist.get_world_size()
         dp = validate_layout(cfg, world)
         self._check_schedule()
-        self._owns_process_group = init_distributed()
+        self._owns_process_group = init_distributed(mg.nccl_timeout)
         on_cpu = enable_cpu_backend()
         vpp = mg.virtual_pipeline_model_parallel_size if (mg.virtual_pipeline_model_parallel_size or 1) > 1 else None
         mpu.initialize_model_parallel(mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size,
-                                      virtual_pipeline_model_parallel_size=vpp)
+                                      virtual_pipeline_model_parallel_size=vpp,
+                                      distributed_timeout_minutes=max(1, math.ceil(mg.nccl_timeout / 60)))
         model_parallel_cuda_manual_seed(mg.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             cfg.model.dtype, torch.float32 if on_cpu else torch.bfloat16)
