@@ -91,3 +91,4 @@ def test_integrity_checks_and_fallback(interrupted):
     (newest / "MANIFEST.json").unlink()
     with pytest.raises(CheckpointError, match="did not finish"):
         verify_checkpoint(str(newest))
+
