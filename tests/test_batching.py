@@ -276,7 +276,6 @@ def test_build_micro_batch_with_weights_and_pad_to(packed):
     assert torch.equal(plain.weights, weights[rows])
     assert torch.equal(plain.loss_mask, ro.response_mask[rows])
     n = plain.input_ids.shape[1]
-    m = plain.value_mask.bool()  # value positions of padding tokens are only pinned inside their rollout
 
     if packed:
         t_pad = n + 3

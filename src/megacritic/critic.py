@@ -9,7 +9,6 @@ metrics reduced once per step.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megacritic.batch import Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch, BatchError
+from megacritic.batch import BatchError, Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch
 from megacritic.batching import MicroBatch, build_micro_batch, plan_micro_batches, round_up
 from megacritic.config import CriticConfig
 from megacritic.losses import STAT_KEYS, metrics_from_sums, stack_stats, token_weights, value_loss_and_stats

@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megacritic import CriticWorker, load_config
