@@ -96,3 +96,13 @@ def test_calls_before_init_model_are_errors():
     w = CriticWorker(load_config(OVERRIDES))
     with pytest.raises(RuntimeError, match="init_model"):
         w.compute_values(None)
+
+
+def test_rollout_longer_than_the_model_positions_is_refused(worker):
+    limit = worker.config.model.max_position_embeddings
+    ids = torch.ones(2, limit + 4, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    batch = TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": mask.cumsum(1) - 1,
+                        "responses": ids[:, -4:]}, batch_size=[2])
+    with pytest.raises(BatchError, match="max_position_embeddings"):
+        worker.compute_values(batch)

@@ -219,6 +219,12 @@ class MegatronPPOCritic:
     def _receive(self, data, need_targets: bool) -> Rollouts:
         """Check the batch, then take the last pipeline rank's copy (so every stage sees the same data)."""
         rollouts = rollouts_from_batch(data, need_targets, vocab_size=self.config.model.vocab_size)
+        limit = self.config.model.max_position_embeddings
+        too_long = rollouts.seq_lens > limit
+        if too_long.any():
+            rows = too_long.nonzero().flatten().tolist()
+            raise BatchError(f"attention_mask: rollouts {rows[:8]} have {int(rollouts.seq_lens.max())} real tokens, "
+                             f"more than the model's {limit} positions (model.max_position_embeddings)")
         if self.layout.pp == 1:
             return rollouts
         group, device = mpu.get_pipeline_model_parallel_group(), self.layout.device
