@@ -69,6 +69,8 @@ def test_integrity_checks_and_fallback(interrupted):
     newest, older = root / "step_00000006", root / "step_00000003"
     verify_checkpoint(str(newest))
     assert latest_checkpoint(str(root))[0] == str(newest)
+    assert (newest / "rng_rank00000.pt").exists()  # RNG states travel with the checkpoint
+    assert "rng_rank00000.pt" in (newest / "MANIFEST.json").read_text()
 
     # an interrupted save (no manifest, .tmp- name) is never picked
     os.makedirs(root / ".tmp-step_00000009")

@@ -4,7 +4,8 @@ Layout of ``<root>``::
 
     step_00000012/            a complete checkpoint (the folder is renamed into place only when done)
         <dist_checkpointing files>   model and optimizer state, resharded on load to any TP/PP/DP layout
-        trainer.json          step, iteration, critic call counter, LR scheduler state
+        trainer.json          step, iteration, critic call counter, LR scheduler state, config
+        rng_rank*.pt          each rank's RNG states (restored when the world size matches)
         MANIFEST.json         every file's size and SHA-256, written last
     .tmp-step_00000015/       a save in progress (or interrupted): never loaded
 
@@ -23,6 +24,7 @@ import shutil
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 MANIFEST = "MANIFEST.json"
 TRAINER_STATE = "trainer.json"
@@ -65,6 +67,31 @@ def _list_files(folder: str) -> list[str]:
     return sorted(out)
 
 
+def _rng_file(rank: int) -> str:
+    return f"rng_rank{rank:05d}.pt"
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(folder: str, saved_world_size: int | None) -> None:
+    """Each rank's RNG states (torch, CUDA, Megatron's model-parallel tracker), when the world size is the
+    one saved; under another layout the ranks do not correspond and the fresh seeds stay (the critic draws
+    no random numbers in training: no dropout, seeded data and shuffles)."""
+    path = os.path.join(folder, _rng_file(dist.get_rank()))
+    if saved_world_size != dist.get_world_size() or not os.path.isfile(path):
+        return
+    state = torch.load(path, weights_only=False)
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def save_checkpoint(root: str, step: int, model: list, optimizer, trainer_state: dict) -> str:
     """Collective: every rank calls it. Returns the final folder."""
     final = os.path.join(root, checkpoint_name(step))
@@ -76,10 +103,11 @@ def save_checkpoint(root: str, step: int, model: list, optimizer, trainer_state:
     dist.barrier()
     dist_checkpointing.save(_sharded_state(model, optimizer, loading=False), tmp,
                             content_metadata=_OPTIMIZER_FORMAT)
+    torch.save(_rng_state(), os.path.join(tmp, _rng_file(dist.get_rank())))
     dist.barrier()
     if rank0:
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
-            json.dump(trainer_state, f)
+            json.dump({**trainer_state, "world_size": dist.get_world_size()}, f)
         files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
                         "sha256": _file_digest(os.path.join(tmp, name))} for name in _list_files(tmp)}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -187,4 +215,6 @@ def load_checkpoint(folder: str, model: list, optimizer) -> dict:
         for inner in inners:
             inner.__dict__.pop("load_parameter_state_from_fully_reshardable", None)
     with open(os.path.join(folder, TRAINER_STATE)) as f:
-        return json.load(f)
+        trainer_state = json.load(f)
+    _restore_rng(folder, trainer_state.get("world_size"))
+    return trainer_state
