@@ -204,6 +204,15 @@ def init_hf(out: str, config) -> None:
         worker.close()
 
 
+# Failures the user can fix (a setting, the data, a checkpoint): one clean line and an exit code, no traceback.
+_USER_ERRORS = {
+    ConfigError: ("config error", 2),
+    BatchError: ("data error", 2),
+    CheckpointError: ("checkpoint error", 2),
+    TrainingError: ("training stopped", 3),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megacritic", description="PPO critic training on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -234,16 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             train(config)
         elif args.command == "init-hf":
             init_hf(args.out, config)
-    except CheckpointError as exc:
-        print(f"megacritic: checkpoint error: {exc}", file=sys.stderr)
-        return 2
-    except BatchError as exc:
-        print(f"megacritic: data error: {exc}", file=sys.stderr)
-        return 2
-    except TrainingError as exc:
-        print(f"megacritic: training stopped: {exc}", file=sys.stderr)
-        return 3
-    except ConfigError as exc:
-        print(f"megacritic: config error: {exc}", file=sys.stderr)
-        return 2
+    except tuple(_USER_ERRORS) as exc:
+        what, code = next(v for t, v in _USER_ERRORS.items() if isinstance(exc, t))
+        print(f"megacritic: {what}: {exc}", file=sys.stderr)
+        return code
     return 0
