@@ -136,7 +136,7 @@ def test_packed_cu_seqlens(seq_multiple):
         rows = torch.randperm(9, generator=gen)[:int(torch.randint(1, 10, (1,), generator=gen))].tolist()
         mb = build_micro_batch(ro, rows, packed=True, seq_multiple=seq_multiple)
         ps = mb.packed
-        assert ps.qkv_format == "thd"
+        assert ps.qkv_format == "sbhd"  # Megatron sees one [t, 1] sequence; boundaries are ours
         assert ps.cu_seqlens_q.dtype == ps.cu_seqlens_kv.dtype == torch.int32
         assert torch.equal(ps.cu_seqlens_q, ps.cu_seqlens_kv)
         lens = [pl[i] + rl[i] for i in rows]
@@ -149,6 +149,9 @@ def test_packed_cu_seqlens(seq_multiple):
         assert all(n > 0 for n in segs)
         assert ps.max_seqlen_q == ps.max_seqlen_kv == max(segs)
         assert ps.max_seqlen_q >= max(lens)
+        # RoPE positions restart at 0 in every segment (the trailing filler included)
+        expected_pos = torch.cat([torch.arange(n) for n in segs])
+        assert torch.equal(mb.position_ids, expected_pos[None])
 
 
 def test_packed_seq_multiple_adds_trailing_segment():

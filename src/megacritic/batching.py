@@ -3,8 +3,12 @@ micro-batch feeds to the model and the loss.
 
 A micro-batch holds whole rollouts with their padding removed, in one of two layouts:
 
-* packed (THD, the default): the rollouts' real tokens concatenated into one sequence [1, t], with
-  ``cu_seqlens`` marking where each starts, so attention stays within a rollout and no token is padding;
+* packed (the default): the rollouts' real tokens concatenated into one sequence [1, t], with
+  ``cu_seqlens`` marking where each starts, so attention stays within a rollout and no token is padding.
+  Megatron sees the pack as one ordinary [t, 1] sequence (``qkv_format="sbhd"``): only our attention
+  reads the boundaries, and RoPE takes each token's position within its rollout from ``position_ids``
+  in one gather (:class:`~megacritic.model.value_model.ValueModel`), instead of Megatron's THD path,
+  which splits every layer's queries and keys per rollout and synchronises with the host to do so;
 * padded: rollouts left-aligned and right-padded to the micro-batch's longest, [b, s]; causal attention
   needs no mask because padding only ever follows real tokens.
 
@@ -29,7 +33,8 @@ from megacritic.partition import fixed_partitions, token_budget_partitions
 @dataclass
 class MicroBatch:
     input_ids: Tensor         # [b, s] padded, or [1, t] packed
-    packed: PackedSeqParams | None  # THD boundaries when packed
+    packed: PackedSeqParams | None  # rollout boundaries (cu_seqlens) when packed
+    position_ids: Tensor | None  # [1, t] position of each packed token within its rollout (None: padded)
     value_index: Tensor       # [b, R] index of each response token's value in the flattened output
     value_mask: Tensor        # [b, R] 1 on real response tokens (0 on padding and dummy rows)
     values: Tensor | None     # [b, R] old values (training only)
@@ -85,7 +90,7 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
     # position within the rollout; past a rollout's end (masked) it is clamped to stay inside the rollout
     value_pos = torch.minimum(p[:, None] - 1 + j[None, :], (lens - 1)[:, None])
     value_mask = (j[None, :] < r[:, None]).to(torch.float32)
-    packed_params = None
+    packed_params = position_ids = None
     if packed:
         starts = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
         total = round_up(int(starts[-1]), seq_multiple)
@@ -96,8 +101,11 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
         cu = starts if total == starts[-1] else torch.cat([starts, torch.tensor([total])])
         cu = cu.to(torch.int32)
         max_len = int((cu[1:] - cu[:-1]).max())
-        packed_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
+        packed_params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
                                         max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        seq_lens = (cu[1:] - cu[:-1]).long()
+        position_ids = torch.arange(total) - torch.repeat_interleave(cu[:-1].long(), seq_lens)
+        position_ids = position_ids[None].to(device) if device is not None else position_ids[None]
         value_index = starts[:-1, None] + value_pos
     else:
         s = round_up(longest, seq_multiple)
@@ -121,7 +129,7 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
             x = torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
         fields[key] = x.to(device) if device is not None else x
     return MicroBatch(input_ids=ids.to(device) if device is not None else ids, packed=packed_params,
-                      rows=len(rows), **fields)
+                      position_ids=position_ids, rows=len(rows), **fields)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -104,7 +104,7 @@ def _peak_gib() -> float:
 
 
 def run_megacritic(shape: dict, batch: TensorDict, packed: bool, token_budget: int, micro_batch: int,
-                   repeats: int) -> dict[str, tuple[float, float]]:
+                   repeats: int, extra: list[str] = ()) -> dict[str, tuple[float, float]]:
     from megacritic import CriticWorker, load_config
 
     n = len(batch)
@@ -119,7 +119,10 @@ def run_megacritic(shape: dict, batch: TensorDict, packed: bool, token_budget: i
         overrides += ["use_dynamic_bsz=true", f"ppo_max_token_len_per_gpu={token_budget}"]
     else:
         overrides += ["use_dynamic_bsz=false", f"ppo_micro_batch_size_per_gpu={micro_batch}"]
-    worker = CriticWorker(load_config(overrides))
+    # Each model starts with empty torch.compile caches, as its own training job would: compiled kernels of
+    # earlier shapes in this process would otherwise use up the recompilation limit and fall back to eager.
+    torch._dynamo.reset()
+    worker = CriticWorker(load_config(overrides + list(extra)))
     worker.init_model()
     timer = _Timer()
     try:
@@ -213,11 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: " + ", ".join(SYSTEMS))
     parser.add_argument("--rollouts", type=int, default=32 if cuda else 16, help="rollouts per call")
     parser.add_argument("--token-budget", type=int, default=None,
-                        help="megacritic-packed: ppo_max_token_len_per_gpu (default 16384, 8192 from the 3B "
-                             "shape on, where 16k-token activations do not fit next to the optimizer state)")
+                        help="megacritic-packed: ppo_max_token_len_per_gpu (default 16384)")
     parser.add_argument("--micro-batch", type=int, default=2, help="megacritic-padded: micro-batch size")
     parser.add_argument("--repeats", type=int, default=2 if cuda else 1, help="timed calls per phase (median)")
     parser.add_argument("--out", default=None, help="results file (default bench/results/<machine-kind>.json)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for the megacritic systems (repeatable), e.g. "
+                             "--set model.use_fused_kernels=false; recorded in each row")
     args = parser.parse_args(argv)
 
     kind = machine_kind()
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_lens = batch["attention_mask"].sum(1).tolist()
         real = sum(seq_lens)
         fwd = forward_flops(shape, seq_lens)
-        budget = args.token_budget or ((8192 if shape["hidden_size"] >= 2048 else 16384) if cuda else 512)
+        budget = args.token_budget or (16384 if cuda else 512)
         budget = max(budget, -(-max(seq_lens) // 1024) * 1024)  # every rollout must fit one micro-batch
         for system in args.systems.split(","):
             error = None
@@ -239,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     result = run_hf(shape, batch, args.repeats)
                 else:
                     result = run_megacritic(shape, batch, system == "megacritic-packed", budget,
-                                            args.micro_batch, args.repeats)
+                                            args.micro_batch, args.repeats, args.set)
             except torch.OutOfMemoryError:
                 result, error = None, "out of memory"
                 _reset_memory()
@@ -251,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     t, mem = result["update" if phase == "update_critic" else "values"]
                     row.update(real_tokens_per_s=real / t, mfu=flops / t / peak, peak_mem_gib=mem, seconds=t)
+                    if system != "hf-sdpa-padded" and args.set:
+                        row["overrides"] = args.set
                     if system == "megacritic-packed":
                         row["token_budget"] = budget
                     elif system == "megacritic-padded":

@@ -187,6 +187,19 @@ def _adam_step_set_aside(optimizer):
             state["step"] = step.clone()
 
 
+def _place_adam_steps(optimizer) -> None:
+    """torch's fused (and capturable) Adam keeps ``step`` on the parameter's device, the others on the
+    host; the restored steps go where the optimizer's own would be."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = inner.optimizer
+        for group in torch_optimizer.param_groups:
+            on_device = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                state = torch_optimizer.state.get(p, {})
+                if "step" in state:
+                    state["step"] = state["step"].to(p.device if on_device else "cpu", torch.float32)
+
+
 def read_trainer_state(folder: str) -> dict:
     """The JSON state saved beside the tensors (no collective; any process can read it)."""
     verify_checkpoint(folder)
@@ -214,6 +227,7 @@ def load_checkpoint(folder: str, model: list, optimizer) -> dict:
     finally:
         for inner in inners:
             inner.__dict__.pop("load_parameter_state_from_fully_reshardable", None)
+    _place_adam_steps(optimizer)
     with open(os.path.join(folder, TRAINER_STATE)) as f:
         trainer_state = json.load(f)
     _restore_rng(folder, trainer_state.get("world_size"))

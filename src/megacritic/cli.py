@@ -29,7 +29,6 @@ warnings.filterwarnings("ignore", category=UserWarning,
 
 import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from tensorboardX import SummaryWriter  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from megacritic.bench import PEAK_FLOPS, forward_flops, machine_kind  # noqa: E402
@@ -112,6 +111,8 @@ def train(config) -> dict[str, float]:
             json.dump(to_dict(config), f, indent=2)
         log = _open_log(os.path.join(t.output_dir, "metrics.jsonl"), keep_steps=step)
         if t.tensorboard:
+            from tensorboardX import SummaryWriter  # only runs that log to TensorBoard need it
+
             board = SummaryWriter(os.path.join(t.output_dir, "tensorboard"), purge_step=step + 1)
     bar = tqdm(range(first, t.steps), desc="critic", initial=first, total=t.steps,
                disable=not (speaker and t.progress), dynamic_ncols=True)

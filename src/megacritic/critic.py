@@ -200,9 +200,10 @@ class MegatronPPOCritic:
 
     def _forward_step(self, forward_only: bool, data_iterator, model):
         mb: MicroBatch = next(data_iterator)
-        # Rotary positions restart at 0 for each rollout (left-aligned rows, or cu_seqlens when packed),
-        # so the model needs no position ids or attention mask.
-        output = model(input_ids=mb.input_ids, position_ids=None, attention_mask=None, packed_seq_params=mb.packed)
+        # Rotary positions restart at 0 for each rollout (left-aligned rows, or position_ids when packed);
+        # causal attention within a row or a packed rollout needs no attention mask.
+        output = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                       packed_seq_params=mb.packed)
         return output, partial(self._loss, mb, forward_only)
 
     def _loss(self, mb: MicroBatch, forward_only: bool, output: torch.Tensor):

@@ -55,6 +55,15 @@ def init_distributed(timeout_s: int = 600) -> bool:
     return True
 
 
+def use_fused_adamw(optimizer) -> None:
+    """Without Transformer Engine or apex, Megatron builds torch's AdamW with its multi-tensor (foreach)
+    kernels; switch its groups to the fused CUDA kernel (one pass per update; bench/NOTES.md). torch
+    reads these flags at every step, and keeps ``step`` on the parameter's device for fused groups."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in inner.optimizer.param_groups:
+            group.update(fused=True, foreach=False)
+
+
 def optimizer_steps(config: CriticConfig) -> int:
     """Optimizer steps the LR schedule spans: optim.total_training_steps, or what trainer.* implies."""
     if config.optim.total_training_steps > 0:
@@ -128,6 +137,8 @@ class CriticWorker:
             clip_grad=o.clip_grad if o.clip_grad > 0 else math.inf,
             bf16=dtype == torch.bfloat16, params_dtype=dtype,
             use_distributed_optimizer=mg.use_distributed_optimizer), model)
+        if cfg.model.use_fused_kernels and not on_cpu:
+            use_fused_adamw(optimizer)
         total, warmup = self._schedule_steps()
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if warmup else o.lr, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,

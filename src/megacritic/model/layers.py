@@ -11,6 +11,7 @@ Why our own:
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -32,7 +33,8 @@ def _param_device(config) -> torch.device:
 
 
 class SDPAttention(MegatronModule):
-    """Causal (GQA) attention, for padded micro-batches [s, b, heads, d] and packed ones [t, heads, d].
+    """Causal (GQA) attention, for padded micro-batches [s, b, heads, d] and packed ones ([t, 1, heads, d]
+    or THD [t, heads, d]).
 
     Padded: one ``scaled_dot_product_attention`` call; rows are left-aligned and right-padded, so a plain
     causal mask is exact for every real token (padding only follows real tokens). Packed (THD): each
@@ -48,6 +50,9 @@ class SDPAttention(MegatronModule):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> Tensor:
         if packed_seq_params is not None:
+            if query.dim() == 4:  # a pack handed to Megatron as one [t, 1] sequence (megacritic.batching)
+                out = self._packed(query.squeeze(1), key.squeeze(1), value.squeeze(1), packed_seq_params)
+                return out.unsqueeze(1)
             return self._packed(query, key, value, packed_seq_params)
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -73,12 +78,27 @@ class SDPAttention(MegatronModule):
         return torch.cat(outs)
 
 
-class RMSNorm(torch.nn.Module):
-    """RMSNorm computed in float32 (as Llama / Qwen2 do), usable under sequence parallelism."""
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+
+@functools.cache
+def _compiled_rms_norm():
+    # One kernel each way instead of eager's cast / norm / cast / scale passes; dynamic shapes, as
+    # packed micro-batches change length every call.
+    return torch.compile(_rms_norm, dynamic=True)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm computed in float32 (as Llama / Qwen2 do), usable under sequence parallelism.
+
+    ``fused``: on CUDA, one compiled kernel (same arithmetic); eager elsewhere.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, fused: bool = False, **unused):
         super().__init__()
         self.eps = eps
+        self.fused = fused and not config.use_cpu_initialization
         self.weight = torch.nn.Parameter(
             torch.ones(hidden_size, dtype=config.params_dtype, device=_param_device(config)))
         # Under sequence parallelism each TP rank sees a slice of the sequence, so the weight's gradient
@@ -86,8 +106,9 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        if self.fused and x.is_cuda:
+            return _compiled_rms_norm()(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)
 
 
 class ValueHead(MegatronModule):

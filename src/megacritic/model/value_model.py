@@ -28,6 +28,7 @@ from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead
 def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, sequence_parallel: bool,
                        dtype: torch.dtype, on_cpu: bool, variable_seq_lengths: bool) -> TransformerConfig:
     """Megatron's TransformerConfig for a Llama / Qwen2-shaped decoder."""
+    fused = model.use_fused_kernels and not on_cpu
     return TransformerConfig(
         num_layers=model.num_hidden_layers,
         hidden_size=model.hidden_size,
@@ -68,7 +69,8 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         batch_p2p_comm=not (pp == 2 and (vpp or 1) > 1),
         # megatron-core 0.16 rejects variable_seq_lengths unless this is set, even for dense models.
         moe_token_dispatcher_type="alltoall",
-        bias_activation_fusion=False,
+        # Megatron's SwiGLU autograd function (scripted) instead of eager chunk / silu / add / mul.
+        bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -76,14 +78,19 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
     )
 
 
-def layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
+def norm_spec(fused: bool) -> ModuleSpec:
+    return ModuleSpec(module=RMSNorm, params={"fused": fused})
+
+
+def layer_spec(qk_layernorm: bool = False, fused: bool = False) -> ModuleSpec:
     """A Llama / Qwen2 / Qwen3 decoder layer built from Megatron modules, with our attention and norm
-    (also over each query and key head with ``qk_layernorm``)."""
-    qk_norm = RMSNorm if qk_layernorm else IdentityOp
+    (also over each query and key head with ``qk_layernorm``); ``fused``: compiled norms on GPU."""
+    norm = norm_spec(fused)
+    qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
+            input_layernorm=norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
@@ -96,7 +103,7 @@ def layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
+            pre_mlp_layernorm=norm,
             mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
                 linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
@@ -115,7 +122,9 @@ class ValueModel(GPTModel):
     def __init__(self, config: TransformerConfig, model: ModelConfig, *, pre_process: bool, post_process: bool,
                  vp_stage: int | None):
         layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-        spec = TransformerBlockSubmodules(layer_specs=[layer_spec(model.qk_layernorm)] * layers, layer_norm=RMSNorm)
+        fused = config.bias_activation_fusion  # use_fused_kernels on GPU (transformer_config)
+        spec = TransformerBlockSubmodules(layer_specs=[layer_spec(model.qk_layernorm, fused)] * layers,
+                                          layer_norm=norm_spec(fused))
         # Llama 3 RoPE scaling: Megatron implements HF's llama3 formula with its constants fixed to
         # Llama 3.1's (config validation accepts no other values); only the factor is passed.
         scaling = model.rope_scaling
@@ -137,6 +146,23 @@ class ValueModel(GPTModel):
             # GPTModel always builds a vocabulary projection; the critic swaps it for the value head
             # (the projection's memory is released here, before any optimizer state exists).
             self.output_layer = ValueHead(config, model.hidden_size)
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, padding_mask=None):
+        """GPTModel's preprocessing, with per-token RoPE for packed micro-batches.
+
+        A pack reaches Megatron as one [t, 1] sequence (megacritic.batching); each token's rotary
+        frequencies are read here from the table at its position within its rollout, so every layer
+        applies RoPE in one elementwise pass over the pack.
+        """
+        out = super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,
+                                  inference_context=inference_context, packed_seq_params=packed_seq_params,
+                                  padding_mask=padding_mask)
+        if packed_seq_params is None:
+            return out
+        # packed_seq=True: the table is indexed by position, never sliced per context-parallel rank.
+        table = self.rotary_pos_emb(packed_seq_params.max_seqlen_q, packed_seq=True)  # [max_len, 1, 1, d]
+        return (out[0], table[position_ids.reshape(-1)], *out[2:])
 
 
 def build_value_model(model: ModelConfig, config: TransformerConfig) -> list[ValueModel]:
