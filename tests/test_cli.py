@@ -136,3 +136,16 @@ def test_consecutive_skipped_steps_stop_the_run(tmp_path):
     records = _records(out)
     assert len(records) == 4 and all(r["critic/skipped_steps"] == 1.0 for r in records)
     assert all(r["critic/grad_norm"] is None for r in records)  # NaN is written as null
+
+
+def test_resumed_log_keeps_checkpointed_steps_and_drops_a_torn_line(tmp_path):
+    from megacritic.cli import _open_log
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "critic/vf_loss": 0.1 * s}) + "\n" for s in (1, 2, 3, 4)]
+    path.write_text("".join(lines[:3]) + lines[3][:9])  # the crash cut step 4's record short
+    _open_log(str(path), keep_steps=2).close()
+    assert path.read_text() == "".join(lines[:2])
+    path.write_text("".join(lines) + "\n")
+    _open_log(str(path), keep_steps=4).close()
+    assert path.read_text() == "".join(lines)

@@ -72,7 +72,15 @@ def _open_log(path: str, keep_steps: int):
     kept = []
     if keep_steps and os.path.exists(path):
         with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_steps]
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by the crash: everything after it is newer
+                    break
+                if record["step"] <= keep_steps:
+                    kept.append(line)
     log = open(path, "w")
     log.writelines(kept)
     return log

@@ -35,6 +35,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, under a prefix of this restart attempt.
+
+    With TORCHELASTIC_USE_AGENT_STORE=True the store at MASTER_ADDR:MASTER_PORT belongs to torchrun's agent
+    (the c10d rendezvous' shared TCPStore, or the static rendezvous' one) and outlives the workers: after a
+    ``--max-restarts`` restart it still holds every key the dead workers wrote. Process groups name their
+    keys deterministically (the same group names in every attempt), so the new workers would read the old
+    ones' addresses (gloo: connectFullMesh to a port nobody listens on) or pass barriers on old counts.
+    A prefix per attempt gives each one fresh keys. TORCHELASTIC_RESTART_COUNT is the same for all workers
+    of one agent (one node); across nodes the agents count separately, so a multi-node elastic job should
+    run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store each round; no prefix then)."""
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"megacritic/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(timeout_s: int = 600) -> bool:
     """Join the torchrun world, or create a world of one. Returns True if this call created a world of one
     (which :meth:`CriticWorker.close` then tears down; a torchrun world stays up for the process)."""
@@ -45,7 +61,12 @@ def init_distributed(timeout_s: int = 600) -> bool:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
         return False
     else:
         if cuda:
