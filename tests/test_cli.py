@@ -149,3 +149,85 @@ def test_resumed_log_keeps_checkpointed_steps_and_drops_a_torn_line(tmp_path):
     path.write_text("".join(lines) + "\n")
     _open_log(str(path), keep_steps=4).close()
     assert path.read_text() == "".join(lines)
+
+
+# Rank 1 of a 2-process run stops inside the Megatron schedule of its 3rd optimizer step: it exits at once
+# (dead) or sleeps (hung), after writing the time to FAULT_STAMP.
+FAULTY_RANK = '''
+import os
+import sys
+import time
+
+from megacritic.cli import main
+from megacritic.critic import MegatronPPOCritic
+
+if __name__ == "__main__":
+    if os.environ["RANK"] == "1":
+        original, calls = MegatronPPOCritic._forward_step, []
+
+        def faulty(self, forward_only, *args):
+            if not forward_only:
+                calls.append(None)
+                if len(calls) == 3:
+                    with open(os.environ["FAULT_STAMP"], "w") as f:
+                        f.write(str(time.time()))
+                    if os.environ["FAULT"] == "dead":
+                        os._exit(13)
+                    time.sleep(3600)
+            return original(self, forward_only, *args)
+
+        MegatronPPOCritic._forward_step = faulty
+    sys.exit(main())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["dead", "hung"])
+def test_survivor_of_a_dead_or_hung_rank_exits_naming_the_operation(tmp_path, fault):
+    """Without a launcher to tear the job down (e.g. a multi-node job whose peer node vanished), the
+    surviving rank must fail within megatron.nccl_timeout, with a message, instead of hanging."""
+    import os
+    import socket
+    import time
+
+    script = tmp_path / "faulty_rank.py"
+    script.write_text(FAULTY_RANK)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    timeout = 10
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE="2", FAULT=fault, FAULT_STAMP=str(tmp_path / "fault"))
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), "train", f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=false",
+             "trainer.tensorboard=false", "trainer.steps=2", f"megatron.nccl_timeout={timeout}"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        _, err = procs[0].communicate(timeout=300)
+        ended = time.time()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    print(err.strip().splitlines()[-1])
+    assert procs[0].returncode == 4, err[-3000:]
+    assert "megacritic: communication failed: rank 0: a collective failed during update_critic" in err, err[-3000:]
+    assert "Traceback" not in err
+    waited = ended - float((tmp_path / "fault").read_text())
+    # dead: the peer's socket closes at once; hung: the collective's timeout (plus process exit)
+    assert waited < (15 if fault == "dead" else timeout + 15), waited
+
+
+@pytest.mark.slow
+def test_profile_steps_write_a_chrome_trace(tmp_path):
+    proc, out = _train(["trainer.steps=2", "trainer.profile_steps=[2]", "trainer.tensorboard=false"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traces = sorted((out / "profile").iterdir())
+    assert [t.name for t in traces] == ["iteration_000002.rank0.json"]
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any("aten::mm" in n or "aten::addmm" in n or "aten::linear" in n for n in names)
+    record = _records(out)[-1]
+    assert record["timing_s/forward_backward"] > 0 and record["timing_s/optimizer"] > 0

@@ -12,6 +12,7 @@ step; only global rank 0 writes and prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -27,7 +28,9 @@ warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distri
 warnings.filterwarnings("ignore", category=UserWarning,
                         module=r"megatron\.core\.(transformer\.transformer_config|optimizer\.optimizer)$")
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -47,6 +50,16 @@ def _finite_or_none(x: float):
 
 class TrainingError(RuntimeError):
     """Training cannot usefully go on (e.g. too many skipped steps in a row)."""
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed or timed out: another process died or hung."""
+
+
+def _is_communication_failure(exc: BaseException) -> bool:
+    # NCCL and the rendezvous store raise DistError subclasses; gloo raises a plain RuntimeError whose
+    # message carries the location in gloo's transport ("Connection closed by peer", "Timed out waiting").
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "/gloo/" in str(exc))
 
 
 def _resume(worker: CriticWorker, root: str, speaker: bool) -> dict:
@@ -101,6 +114,34 @@ def _batch_metrics(batch, update_time: float, config, peak_flops: float) -> dict
     return out
 
 
+def _critic_iteration(worker: CriticWorker, batch, config) -> tuple[dict[str, list[float]], float, float]:
+    """One PPO iteration of the critic: values (unless the rollouts carry their producer's), GAE returns
+    (unless given), then update_critic. Returns its metrics and the two calls' seconds."""
+    start = time.perf_counter()
+    if "values" not in batch.keys():
+        batch["values"] = worker.compute_values(batch)
+    values_time = time.perf_counter() - start
+    if "returns" not in batch.keys():
+        _, batch["returns"] = compute_gae(batch["token_level_rewards"], batch["values"], batch["response_mask"],
+                                          config.algorithm.gamma, config.algorithm.lam)
+    start = time.perf_counter()
+    metrics = worker.update_critic(batch)
+    return metrics, values_time, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _profiled(enabled: bool, folder: str, iteration: int):
+    """PyTorch profiler over one iteration (trainer.profile_steps): a Chrome trace per rank."""
+    if not enabled:
+        yield
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    os.makedirs(folder, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(folder, f"iteration_{iteration:06d}.rank{dist.get_rank()}.json"))
+
+
 def train(config) -> dict[str, float]:
     """Run the main job; returns the last optimizer step's metrics."""
     t = config.trainer
@@ -128,17 +169,8 @@ def train(config) -> dict[str, float]:
     try:
         for iteration in bar:
             batch = data.batch(iteration)
-            start = time.perf_counter()
-            if "values" not in batch.keys():  # a rollout file may carry the old values of its producer
-                batch["values"] = worker.compute_values(batch)
-            values_time = time.perf_counter() - start
-            if "returns" not in batch.keys():
-                _, batch["returns"] = compute_gae(batch["token_level_rewards"], batch["values"],
-                                                  batch["response_mask"], config.algorithm.gamma,
-                                                  config.algorithm.lam)
-            start = time.perf_counter()
-            metrics = worker.update_critic(batch)
-            update_time = time.perf_counter() - start
+            with _profiled(iteration + 1 in t.profile_steps, os.path.join(t.output_dir, "profile"), iteration + 1):
+                metrics, values_time, update_time = _critic_iteration(worker, batch, config)
             batch_metrics = _batch_metrics(batch, update_time, config, peak_flops)
             for i in range(len(metrics["critic/vf_loss"])):
                 step += 1
@@ -164,6 +196,12 @@ def train(config) -> dict[str, float]:
             done = iteration + 1
             if t.save_every and (done % t.save_every == 0 or done == t.steps):
                 worker.save_checkpoint(ckpt_root, done, {"iteration": done, "step": step})
+    except RuntimeError as exc:
+        if not _is_communication_failure(exc):
+            raise
+        raise CommunicationError(
+            f"rank {dist.get_rank()}: a collective failed during {worker.operation}: {str(exc).splitlines()[0]} "
+            f"-- another process died or hung (megatron.nccl_timeout={config.megatron.nccl_timeout} s)") from None
     finally:
         bar.close()
         if log:
@@ -213,12 +251,14 @@ def init_hf(out: str, config) -> None:
         worker.close()
 
 
-# Failures the user can fix (a setting, the data, a checkpoint): one clean line and an exit code, no traceback.
+# Failures with a known cause (a setting, the data, a checkpoint, a dead peer): one clean line and an exit
+# code, no traceback.
 _USER_ERRORS = {
     ConfigError: ("config error", 2),
     BatchError: ("data error", 2),
     CheckpointError: ("checkpoint error", 2),
     TrainingError: ("training stopped", 3),
+    CommunicationError: ("communication failed", 4),
 }
 
 

@@ -116,6 +116,11 @@ class MegatronConfig:
     nccl_timeout: int = 600
     """Seconds a collective may wait before the job fails with an error instead of hanging (every process
     group, gloo included)."""
+    timing_level: int = 1
+    """Megatron's timers behind the timing_s/* metrics: 0 off; 1 the schedule (forward_backward),
+    gradient reduction (grad_reduce) and optimizer step (optimizer), a few device synchronisations per
+    step; 2 also forward / backward compute and pipeline transfer waits (pipeline_wait), synchronising
+    around every micro-batch."""
 
 
 @dataclass
@@ -185,6 +190,9 @@ class TrainerConfig:
     gradients (each skip keeps the weights and is counted in critic/skipped_steps)."""
     tensorboard: bool = True
     """Also write the metrics as TensorBoard events to <output_dir>/tensorboard (rank 0 only)."""
+    profile_steps: list = field(default_factory=list)
+    """Iterations (1-based, as counted by steps) to record with the PyTorch profiler: one Chrome trace per
+    iteration and rank in <output_dir>/profile (open in Perfetto or chrome://tracing)."""
 
 
 @dataclass
@@ -342,6 +350,8 @@ def validate(config: CriticConfig) -> None:
         _fail("megatron.pipeline_model_parallel_size", pp,
               f"must divide model.num_hidden_layers ({m.num_hidden_layers})")
     _positive("megatron.nccl_timeout", mg.nccl_timeout)
+    if mg.timing_level not in (0, 1, 2):
+        _fail("megatron.timing_level", mg.timing_level, "choose 0 (off), 1 (per step) or 2 (per micro-batch)")
     if mg.param_offload and not mg.use_distributed_optimizer:
         _fail("megatron.param_offload", True, "needs megatron.use_distributed_optimizer=true (its contiguous "
               "parameter buffer is what moves to host memory)")
@@ -390,6 +400,8 @@ def validate(config: CriticConfig) -> None:
 
     _positive("trainer.steps", t.steps)
     _positive("trainer.max_consecutive_skips", t.max_consecutive_skips)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= t.steps for i in t.profile_steps):
+        _fail("trainer.profile_steps", t.profile_steps, f"list iterations between 1 and trainer.steps ({t.steps})")
     if t.save_every < 0:
         _fail("trainer.save_every", t.save_every, "must be 0 (no checkpoints) or a positive number of iterations")
     _positive("data.rollouts_per_step", d.rollouts_per_step)

@@ -9,6 +9,7 @@ metrics reduced once per step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -24,6 +25,47 @@ from megacritic.batching import MicroBatch, build_micro_batch, plan_micro_batche
 from megacritic.config import CriticConfig
 from megacritic.losses import STAT_KEYS, metrics_from_sums, stack_stats, token_weights, value_loss_and_stats
 from megacritic.partition import reverse_index
+
+log = logging.getLogger(__name__)
+
+# Megatron-Core's timer names (with the log level it creates them at) -> our timing_s/* metric. The schedule's
+# "forward-backward" spans the whole schedule, transfers and gradient reduction included; the others are parts.
+MEGATRON_TIMERS = {
+    "forward-backward": (1, "forward_backward"),
+    "all-grads-sync": (1, "grad_reduce"),
+    **{name: (1, "optimizer") for name in (
+        "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad",
+        "optimizer-count-zeros", "optimizer-inner-step", "optimizer-copy-main-to-model-params",
+        "params-all-gather")},
+    "forward-compute": (2, "forward"),
+    "backward-compute": (2, "backward"),
+    **{name: (2, "pipeline_wait") for name in (
+        "forward-recv", "backward-recv", "forward-send", "backward-send", "forward-send-backward-recv",
+        "backward-send-forward-recv", "forward-send-forward-recv", "backward-send-backward-recv",
+        "forward-backward-send-forward-backward-recv")},
+}
+
+
+class StepTimers:
+    """Reads Megatron's timers (``TransformerConfig.timers`` / ``OptimizerConfig.timers``) as seconds per
+    timing_s/* metric. Every timer is created up front at Megatron's own level, so those above ``level``
+    are Megatron's no-op dummies and the rest always exist."""
+
+    def __init__(self, timers, level: int):
+        self.timers, self.level = timers, level
+        if timers is not None:
+            for name, (lvl, _) in MEGATRON_TIMERS.items():
+                timers(name, log_level=lvl)
+
+    def take(self) -> dict[str, float]:
+        """Seconds accumulated since the last call, per metric (and the timers restarted from zero)."""
+        out: dict[str, float] = {}
+        if self.timers is None:
+            return out
+        for name, (lvl, metric) in MEGATRON_TIMERS.items():
+            if lvl <= self.level:
+                out[f"timing_s/{metric}"] = out.get(f"timing_s/{metric}", 0.0) + self.timers(name).elapsed(reset=True)
+        return out
 
 
 @dataclass(frozen=True)
@@ -62,20 +104,27 @@ class Layout:
 
 
 class MegatronPPOCritic:
-    def __init__(self, config: CriticConfig, layout: Layout, model: list, optimizer=None, scheduler=None):
+    def __init__(self, config: CriticConfig, layout: Layout, model: list, optimizer=None, scheduler=None,
+                 timers: StepTimers | None = None):
         self.config = config
         self.layout = layout
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
+        self.timers = timers or StepTimers(None, 0)
         self.update_calls = 0
+        # What the critic is doing, for error messages when a collective fails (a peer died or hung).
+        self.operation = "idle"
+        self._data_time = 0.0  # this step's micro-batch planning, packing and copies to the device
 
     # ---------------------------------------------------------------- public calls
 
     @torch.no_grad()
     def compute_values(self, data) -> torch.Tensor:
         """Values of the response tokens, float32 [B, R], zero outside the response; on every rank."""
+        self.operation = "compute_values: batch check and broadcast"
         rollouts = self._receive(data, need_targets=False)
+        self.operation = "compute_values: forward (Megatron schedule)"
         rows = dp_shard(torch.arange(len(rollouts)), self.layout.dp_rank, self.layout.dp)
         local = rollouts.select(rows)
         modes = [chunk.training for chunk in self.model]
@@ -86,6 +135,7 @@ class MegatronPPOCritic:
         finally:
             for chunk, mode in zip(self.model, modes):
                 chunk.train(mode)
+        self.operation = "compute_values: gathering values over data-parallel and pipeline ranks"
         shape = (len(rollouts), rollouts.response_width)
         values = torch.empty(shape, dtype=torch.float32, device=self.layout.device)
         if self.layout.is_last_stage:
@@ -93,6 +143,7 @@ class MegatronPPOCritic:
             local_values = local_values[reverse_index(parts).to(local_values.device)]
             dist.all_gather_into_tensor(values, local_values.contiguous(), group=mpu.get_data_parallel_group())
         self._broadcast_from_last_stage(values)
+        self.operation = "idle"
         return values.cpu()
 
     def update_critic(self, data) -> dict[str, list[float]]:
@@ -101,30 +152,58 @@ class MegatronPPOCritic:
         ``data`` is one batch or an iterable of batches. Returns verl's metric names, one value per step.
         """
         batches = [data] if _is_batch(data) else list(data)
+        start = time.perf_counter()
+        self.operation = "update_critic: batch check and broadcast"
         checked = [self._receive(b, need_targets=True) for b in batches]  # all refused before any step
+        receive_time = time.perf_counter() - start
         metrics: dict[str, list[float]] = defaultdict(list)
         cfg = self.config
         for rollouts in checked:
-            for rows in mini_batch_indices(len(rollouts), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle,
-                                           cfg.data_loader_seed, call_index=self.update_calls):
+            steps = list(mini_batch_indices(len(rollouts), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle,
+                                            cfg.data_loader_seed, call_index=self.update_calls))
+            for index, rows in enumerate(steps):
                 mini = rollouts.select(rows)
-                weights = token_weights(mini.response_mask, cfg.loss_agg_mode)
-                local_rows = dp_shard(torch.arange(len(mini)), self.layout.dp_rank, self.layout.dp)
-                step = self.train_step(mini.select(local_rows), weights[local_rows], int(mini.seq_lens.sum()))
+                if not mini.response_mask.any():
+                    step = self._empty_step(index)
+                else:
+                    weights = token_weights(mini.response_mask, cfg.loss_agg_mode)
+                    local_rows = dp_shard(torch.arange(len(mini)), self.layout.dp_rank, self.layout.dp)
+                    step = self.train_step(mini.select(local_rows), weights[local_rows], int(mini.seq_lens.sum()))
+                # the check and broadcast of the batch, shared out over its steps
+                step["timing_s/data"] += receive_time / (len(steps) * len(checked))
                 for k, v in step.items():
                     metrics[k].append(v)
             self.update_calls += 1
+        self.operation = "idle"
         return dict(metrics)
+
+    def _empty_step(self, index: int) -> dict[str, float]:
+        """A mini-batch without a single response token has no loss to minimise: no step is taken (an Adam
+        step on zero gradients would still move the weights through momentum and weight decay)."""
+        if self.layout.rank == 0:
+            log.warning("update_critic: mini-batch %d has no response tokens (response_mask is all zero); "
+                        "optimizer step skipped", index)
+        metrics = metrics_from_sums(torch.zeros(len(STAT_KEYS), dtype=torch.float64))
+        metrics.update({"critic/vf_explained_var": 0.0, "critic/grad_norm": 0.0,
+                        "critic/lr": float(self.optimizer.param_groups[0]["lr"]), "critic/skipped_steps": 0.0,
+                        "critic/empty_steps": 1.0, "perf/real_tokens": 0.0, "perf/tokens_per_s": 0.0,
+                        "timing_s/step": 0.0, "timing_s/data": 0.0})
+        metrics.update({key: 0.0 for key in self.timers.take()})
+        return metrics
 
     # ---------------------------------------------------------------- one optimizer step
 
     def train_step(self, local: Rollouts, weights: torch.Tensor, global_tokens: int) -> dict[str, float]:
         start = time.perf_counter()
+        self.timers.take()  # drop what earlier forward-only calls left on the timers
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.operation = "update_critic: forward/backward and gradient reduction (Megatron schedule)"
         _, outputs = self.forward_backward_batch(local, forward_only=False, weights=weights)
+        self.operation = "update_critic: reducing loss statistics"
         sums = self._reduce_stats(outputs)
+        self.operation = "update_critic: optimizer step"
         lr = self.optimizer.param_groups[0]["lr"]
         # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
         # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
@@ -146,8 +225,11 @@ class MegatronPPOCritic:
             "critic/skipped_steps": skipped,
             "perf/real_tokens": float(global_tokens),
             "perf/tokens_per_s": global_tokens / elapsed,
+            "critic/empty_steps": 0.0,
             "timing_s/step": elapsed,
+            "timing_s/data": self._data_time,
         })
+        metrics.update(self.timers.take())
         return metrics
 
     # ---------------------------------------------------------------- Megatron schedule
@@ -171,6 +253,7 @@ class MegatronPPOCritic:
             if len(local) % size:
                 raise BatchError(f"{len(local)} rollouts per data-parallel rank are not a multiple of the "
                                  f"micro-batch size {size}")
+        start = time.perf_counter()
         parts = plan_micro_batches(local.seq_lens.tolist(), micro_batch_size=size, max_tokens=budget,
                                    multiple_of=layout.micro_batch_multiple, max_over_ranks=self._max_over_dp)
         seq_multiple = layout.tp if layout.sequence_parallel else 1
@@ -184,6 +267,7 @@ class MegatronPPOCritic:
                 pad_to = (max(len(p) for p in parts), round_up(int(lens.max()), seq_multiple))
         micro_batches = [build_micro_batch(local, p, packed=packed, seq_multiple=seq_multiple, pad_to=pad_to,
                                            weights=weights, device=layout.device) for p in parts]
+        self._data_time = time.perf_counter() - start
         shape_b = max(mb.input_ids.shape[0] for mb in micro_batches)
         shape_s = max(mb.input_ids.shape[1] for mb in micro_batches)
         iterators = [iter(micro_batches) for _ in self.model]

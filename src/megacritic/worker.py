@@ -20,11 +20,12 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.timers import Timers
 
 from megacritic import checkpoint
 from megacritic.backend.cpu import enable_cpu_backend
 from megacritic.config import ConfigError, CriticConfig, to_dict, validate, validate_layout
-from megacritic.critic import Layout, MegatronPPOCritic
+from megacritic.critic import Layout, MegatronPPOCritic, StepTimers
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
 from megacritic.model.weights import load_full_weights, weight_source
 
@@ -139,6 +140,9 @@ class CriticWorker:
         tconfig = transformer_config(cfg.model, tp=tp, pp=layout.pp, vpp=vpp,
                                      sequence_parallel=layout.sequence_parallel, dtype=dtype, on_cpu=on_cpu,
                                      variable_seq_lengths=layout.variable_seq_lengths)
+        # Megatron's own timers (schedule, gradient reduction, optimizer) feed the timing_s/* metrics.
+        timers = Timers(log_level=mg.timing_level, log_option="max") if mg.timing_level else None
+        tconfig.timers = timers
         chunks = build_value_model(cfg.model, tconfig)
         load_full_weights(chunks, weight_source(cfg.model, mg.seed), cfg.model,
                           mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp))
@@ -157,7 +161,7 @@ class CriticWorker:
             # clip_grad=0 disables clipping; an infinite threshold keeps Megatron measuring the norm.
             clip_grad=o.clip_grad if o.clip_grad > 0 else math.inf,
             bf16=dtype == torch.bfloat16, params_dtype=dtype,
-            use_distributed_optimizer=mg.use_distributed_optimizer), model)
+            use_distributed_optimizer=mg.use_distributed_optimizer, timers=timers), model)
         if cfg.model.use_fused_kernels and not on_cpu:
             use_fused_adamw(optimizer)
         total, warmup = self._schedule_steps()
@@ -167,7 +171,8 @@ class CriticWorker:
             end_wd=o.weight_decay, wd_incr_steps=total, wd_incr_style="constant")
 
         # 6. The critic itself.
-        self.critic = MegatronPPOCritic(cfg, layout, model, optimizer, scheduler)
+        self.critic = MegatronPPOCritic(cfg, layout, model, optimizer, scheduler,
+                                        StepTimers(timers, mg.timing_level))
         self.offload()  # with megatron.*_offload, the critic waits in host memory for its first call
 
     def _schedule_steps(self) -> tuple[int, int]:
@@ -181,6 +186,11 @@ class CriticWorker:
         if warmup >= total:
             raise ConfigError(f"optim.lr_warmup_steps: warm-up of {warmup} steps must be shorter than the "
                               f"{total} optimizer steps of the schedule (optim.total_training_steps / trainer.steps)")
+
+    @property
+    def operation(self) -> str:
+        """What the critic is doing (or was doing when a call failed), e.g. for a failed collective."""
+        return self.critic.operation if self.critic is not None else "init_model"
 
     def _require_model(self) -> MegatronPPOCritic:
         if self.critic is None:
@@ -250,13 +260,18 @@ class CriticWorker:
         self.onload()
         state = {"trainer": trainer_state, "update_calls": critic.update_calls,
                  "scheduler": critic.scheduler.state_dict(), "config": to_dict(self.config)}
-        return checkpoint.save_checkpoint(root, step, critic.model, critic.optimizer, state)
+        critic.operation = f"save_checkpoint (step {step} to {root})"
+        folder = checkpoint.save_checkpoint(root, step, critic.model, critic.optimizer, state)
+        critic.operation = "idle"
+        return folder
 
     def load_checkpoint(self, folder: str) -> dict:
         """Collective: restore a checkpoint saved under any TP / PP / DP layout; returns its trainer_state."""
         critic = self._require_model()
         self.onload()
+        critic.operation = f"load_checkpoint ({folder})"
         state = checkpoint.load_checkpoint(folder, critic.model, critic.optimizer)
+        critic.operation = "idle"
         critic.scheduler.load_state_dict(state["scheduler"])
         critic.update_calls = state["update_calls"]
         return state["trainer"]

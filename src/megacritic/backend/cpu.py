@@ -36,6 +36,7 @@ _CUDA_MODULES = (
     "megatron.core.tensor_parallel.cross_entropy",
     "megatron.core.tensor_parallel.data",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.timers",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
