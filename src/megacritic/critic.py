@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megacritic.batch import BatchError, Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch
 from megacritic.batching import MicroBatch, build_micro_batch, plan_micro_batches, round_up
-from megacritic.config import CriticConfig
+from megacritic.config import CriticConfig, moe_layer_pattern
 from megacritic.losses import STAT_KEYS, metrics_from_sums, stack_stats, token_weights, value_loss_and_stats
 from megacritic.partition import reverse_index
 
@@ -69,6 +71,8 @@ class MegatronPPOCritic:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.update_calls = 0
+        self._routers = [m for chunk in model for m in chunk.modules() if isinstance(m, TopKRouter)]
+        self._aux_tokens = 1  # real tokens of the current training mini-batch (load-balancing loss)
 
     # ---------------------------------------------------------------- public calls
 
@@ -123,8 +127,10 @@ class MegatronPPOCritic:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        _, outputs = self.forward_backward_batch(local, forward_only=False, weights=weights)
+        self._start_moe_aux_loss(global_tokens)
+        parts, outputs = self.forward_backward_batch(local, forward_only=False, weights=weights)
         sums = self._reduce_stats(outputs)
+        aux_loss = self._moe_aux_loss(len(parts))
         lr = self.optimizer.param_groups[0]["lr"]
         # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
         # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
@@ -148,7 +154,52 @@ class MegatronPPOCritic:
             "perf/tokens_per_s": global_tokens / elapsed,
             "timing_s/step": elapsed,
         })
+        if aux_loss is not None:
+            metrics["critic/moe_aux_loss"] = aux_loss
         return metrics
+
+    # ---------------------------------------------------------------- MoE load-balancing loss
+
+    def _start_moe_aux_loss(self, global_tokens: int) -> None:
+        """Start a step whose load-balancing loss is coeff x (token-weighted mean over the mini-batch's
+        micro-batches of each MoE layer's loss): normalised once for the whole mini-batch, like the value loss.
+
+        Megatron's router (with calculate_per_token_loss) attaches coeff x aux x its local token count and
+        leaves the division by the global count to grad finalisation, which our normalisation skips; under
+        sequence parallelism each TP rank holds only its share of aux and of the tokens. So the routers
+        attach their share unscaled (calculate_per_token_loss off on the router alone), and each micro-batch
+        sets the coefficient to coeff x its real tokens / the mini-batch's (``_forward_step``); the router
+        reads it from its TransformerConfig at every forward (Megatron's config object, not ours).
+        """
+        self._aux_tokens = max(global_tokens, 1)
+        for router in self._routers:
+            router.calculate_per_token_loss = False
+
+    def _set_moe_aux_coeff(self, mb: MicroBatch) -> None:
+        coeff = self.config.model.moe_aux_loss_coeff
+        if coeff and self._routers:
+            # Positive even for a micro-batch of padding only: every TP rank must take part in the router's
+            # token-count all-reduce, and padding contributes nothing to the loss.
+            scale = coeff * max(mb.tokens, 1) / self._aux_tokens
+            for router in self._routers:
+                router.config.moe_aux_loss_coeff = scale
+
+    def _moe_aux_loss(self, num_micro_batches: int) -> float | None:
+        """The step's load-balancing loss (without its coefficient): mean over MoE layers and micro-batches,
+        averaged over data-parallel ranks. None when it is off."""
+        if self.config.model.moe_aux_loss_coeff == 0 or not any(moe_layer_pattern(self.config.model)):
+            return None
+        # Every rank takes part in the reductions, also a pipeline stage without MoE layers.
+        values = torch.zeros(self.config.model.num_hidden_layers, dtype=torch.float64, device=self.layout.device)
+        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        if tracked is not None:
+            values += tracked["values"].to(values)
+        clear_aux_losses_tracker()
+        dist.all_reduce(values, group=mpu.get_pipeline_model_parallel_group())  # layers live on their stage
+        dist.all_reduce(values, group=mpu.get_tensor_model_parallel_group())  # each TP rank holds its share
+        dist.all_reduce(values, group=mpu.get_data_parallel_group())
+        layers = sum(moe_layer_pattern(self.config.model))
+        return float(values.sum()) / (layers * num_micro_batches * self.layout.dp)
 
     # ---------------------------------------------------------------- Megatron schedule
 
@@ -202,8 +253,23 @@ class MegatronPPOCritic:
         mb: MicroBatch = next(data_iterator)
         # Rotary positions restart at 0 for each rollout (left-aligned rows, or cu_seqlens when packed),
         # so the model needs no position ids or attention mask.
-        output = model(input_ids=mb.input_ids, position_ids=None, attention_mask=None, packed_seq_params=mb.packed)
+        kwargs = {}
+        if self._routers:
+            self._set_moe_aux_coeff(mb)
+            kwargs["padding_mask"] = self._padding_mask(mb, model)
+        output = model(input_ids=mb.input_ids, position_ids=None, attention_mask=None, packed_seq_params=mb.packed,
+                       **kwargs)
         return output, partial(self._loss, mb, forward_only)
+
+    def _padding_mask(self, mb: MicroBatch, model) -> torch.Tensor:
+        """MoE routers leave padding out of their load-balancing statistics. GPTModel cuts the mask to this TP
+        rank's sequence shard only on the first pipeline stage; later stages get their shard here."""
+        mask = mb.padding_mask
+        if self.layout.sequence_parallel and not getattr(model, "module", model).pre_process:
+            shard = mask.shape[1] // self.layout.tp
+            rank = mpu.get_tensor_model_parallel_rank()
+            mask = mask[:, rank * shard:(rank + 1) * shard]
+        return mask
 
     def _loss(self, mb: MicroBatch, forward_only: bool, output: torch.Tensor):
         vpreds = output.reshape(-1)[mb.value_index]  # [b, R] float32

@@ -26,7 +26,7 @@ from megacritic.backend.cpu import enable_cpu_backend
 from megacritic.config import ConfigError, CriticConfig, to_dict, validate, validate_layout
 from megacritic.critic import Layout, MegatronPPOCritic
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
-from megacritic.model.weights import load_full_weights, weight_source
+from megacritic.model.weights import ExpertRanks, load_full_weights, weight_source
 
 
 def _free_port() -> int:
@@ -93,6 +93,8 @@ class CriticWorker:
         vpp = mg.virtual_pipeline_model_parallel_size if (mg.virtual_pipeline_model_parallel_size or 1) > 1 else None
         mpu.initialize_model_parallel(mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size,
                                       virtual_pipeline_model_parallel_size=vpp,
+                                      expert_model_parallel_size=mg.expert_model_parallel_size,
+                                      expert_tensor_parallel_size=mg.expert_tensor_parallel_size,
                                       distributed_timeout_minutes=max(1, math.ceil(mg.nccl_timeout / 60)))
         model_parallel_cuda_manual_seed(mg.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
@@ -108,10 +110,19 @@ class CriticWorker:
         #    layout; each rank reads only its shard).
         tconfig = transformer_config(cfg.model, tp=tp, pp=layout.pp, vpp=vpp,
                                      sequence_parallel=layout.sequence_parallel, dtype=dtype, on_cpu=on_cpu,
-                                     variable_seq_lengths=layout.variable_seq_lengths)
+                                     variable_seq_lengths=layout.variable_seq_lengths,
+                                     ep=mg.expert_model_parallel_size, etp=mg.expert_tensor_parallel_size)
         chunks = build_value_model(cfg.model, tconfig)
+        experts = ExpertRanks(mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size(),
+                              mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
         load_full_weights(chunks, weight_source(cfg.model, mg.seed), cfg.model,
-                          mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp))
+                          mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp), experts)
+        if cfg.model.freeze_moe_router:
+            # Before DDP and the optimizer are built, so the routers get neither gradient buffers nor state.
+            for chunk in chunks:
+                for name, param in chunk.named_parameters():
+                    if name.endswith("mlp.router.weight"):
+                        param.requires_grad_(False)
 
         # 3. Megatron DDP: contiguous fp32 gradient buffers, reduced once per step.
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
