@@ -372,6 +372,11 @@ def _check_moe(m: ModelConfig, mg: "MegatronConfig") -> None:
     if tp > 1 and not mg.sequence_parallel:
         _fail("megatron.sequence_parallel", False, "Megatron-Core's MoE layers need sequence parallelism whenever "
               "tensor_model_parallel_size > 1; set it to true")
+    if ep == 1 and etp is not None and etp != tp:
+        _fail("megatron.expert_tensor_parallel_size", etp,
+              f"differs from tensor_model_parallel_size ({tp}) without expert parallelism: megatron-core then "
+              "treats the experts as dense parameters and never reduces their gradients over the ranks that "
+              "share them; leave it null (= TP) or set megatron.expert_model_parallel_size > 1")
 
 
 def _check_rope_scaling(rope_scaling) -> None:

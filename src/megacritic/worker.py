@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megacritic import checkpoint
 from megacritic.backend.cpu import enable_cpu_backend
-from megacritic.config import ConfigError, CriticConfig, to_dict, validate, validate_layout
+from megacritic.config import ConfigError, CriticConfig, is_moe, to_dict, validate, validate_layout
 from megacritic.critic import Layout, MegatronPPOCritic
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
 from megacritic.model.weights import ExpertRanks, load_full_weights, weight_source
@@ -113,6 +113,11 @@ class CriticWorker:
                                      variable_seq_lengths=layout.variable_seq_lengths,
                                      ep=mg.expert_model_parallel_size, etp=mg.expert_tensor_parallel_size)
         chunks = build_value_model(cfg.model, tconfig)
+        if not on_cpu and is_moe(cfg.model):
+            # Megatron's router and shared-expert gate create their weights in host memory (an upstream TODO);
+            # Megatron-LM moves every model to the GPU once built, and so do we (dense modules are already there).
+            for chunk in chunks:
+                chunk.cuda(torch.cuda.current_device())
         experts = ExpertRanks(mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size(),
                               mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
         load_full_weights(chunks, weight_source(cfg.model, mg.seed), cfg.model,
@@ -234,11 +239,23 @@ class CriticWorker:
     def load_checkpoint(self, folder: str) -> dict:
         """Collective: restore a checkpoint saved under any TP / PP / DP layout; returns its trainer_state."""
         critic = self._require_model()
+        self._check_expert_layout(folder)
         self.onload()
         state = checkpoint.load_checkpoint(folder, critic.model, critic.optimizer)
         critic.scheduler.load_state_dict(state["scheduler"])
         critic.update_calls = state["update_calls"]
         return state["trainer"]
+
+    def _check_expert_layout(self, folder: str) -> None:
+        """megatron-core gives the experts an optimizer of their own only with expert parallelism > 1, and the
+        two optimizer layouts' checkpoints do not load into each other."""
+        saved = checkpoint.read_trainer_state(folder).get("config", {}).get("megatron", {})
+        saved_ep, ep = saved.get("expert_model_parallel_size", 1), self.config.megatron.expert_model_parallel_size
+        if is_moe(self.config.model) and (saved_ep > 1) != (ep > 1):
+            raise ConfigError(f"megatron.expert_model_parallel_size={ep}: the checkpoint {folder} was saved with "
+                              f"{saved_ep}; a mixture-of-experts checkpoint resumes only with expert parallelism "
+                              f"{'> 1' if saved_ep > 1 else '= 1'} (megatron-core keeps the experts' optimizer "
+                              "state apart only when it is > 1)")
 
     def close(self) -> None:
         """Tear down Megatron's parallel state (and the process group if this worker created it)."""

@@ -128,6 +128,10 @@ def test_moe_settings_are_checked():
              "megatron.tensor_model_parallel_size=4")
     _refusal("megatron.sequence_parallel", *MOE, "megatron.tensor_model_parallel_size=2",
              "megatron.sequence_parallel=false")
+    # without EP, megatron-core treats experts as dense parameters: split differently from TP, their
+    # gradients would never be reduced over the TP ranks that share them (measured: wrong from step 1)
+    _refusal("megatron.expert_tensor_parallel_size", *MOE, "megatron.tensor_model_parallel_size=2",
+             "megatron.expert_tensor_parallel_size=1")
     # MoE-only settings on a dense model
     for setting in ("megatron.expert_model_parallel_size=2", "megatron.expert_tensor_parallel_size=1",
                     "model.moe_aux_loss_coeff=0.1", "model.freeze_moe_router=true"):
@@ -145,6 +149,20 @@ def test_expert_layout_needs_the_world_size():
     config = load_config([*MOE, "megatron.expert_model_parallel_size=2", "megatron.tensor_model_parallel_size=2",
                           "megatron.expert_tensor_parallel_size=1"])
     assert validate_layout(config, 2) == 1
+
+
+def test_checkpoint_resumes_only_on_the_same_side_of_ep_1(tmp_path):
+    from megacritic.checkpoint import MANIFEST, TRAINER_STATE
+    folder = tmp_path / "step_00000002"
+    folder.mkdir()
+    state = json.dumps({"config": {"megatron": {"expert_model_parallel_size": 2}}})
+    (folder / TRAINER_STATE).write_text(state)
+    import hashlib
+    (folder / MANIFEST).write_text(json.dumps({"step": 2, "files": {TRAINER_STATE: {
+        "bytes": len(state), "sha256": hashlib.sha256(state.encode()).hexdigest()}}}))
+    CriticWorker(load_config([*MOE, "megatron.expert_model_parallel_size=4"]))._check_expert_layout(str(folder))
+    with pytest.raises(ConfigError, match="megatron.expert_model_parallel_size"):
+        CriticWorker(load_config(MOE))._check_expert_layout(str(folder))
 
 
 def test_export_family_refusals():
@@ -241,11 +259,14 @@ def test_seeded_moe_export_loads_in_transformers_and_frozen_routers_stay(tmp_pat
 
 SCRIPT = Path(__file__).parents[1] / "multiproc" / "moe_run.py"
 # name: (processes, overrides). At (2, 1) the experts are split over TP (expert_tensor_parallel_size
-# defaults to TP); at (1, 2) the two ranks are also data-parallel for the dense part.
+# defaults to TP); at (1, 2) the two ranks are also data-parallel for the dense part; the last combines TP,
+# PP and EP with whole experts (ETP=1), the EP ranks taken from the TP ranks.
 LAYOUTS = {
     "tp1_ep1": (1, []),
     "tp1_ep2": (2, ["megatron.expert_model_parallel_size=2"]),
     "tp2_ep1": (2, ["megatron.tensor_model_parallel_size=2"]),
+    "tp2_pp2_ep2_etp1": (4, ["megatron.tensor_model_parallel_size=2", "megatron.pipeline_model_parallel_size=2",
+                             "megatron.expert_model_parallel_size=2", "megatron.expert_tensor_parallel_size=1"]),
 }
 CASES = [pytest.param(layout, name, id=f"{layout}-{name}") for layout in LAYOUTS for name in MODELS]
 
