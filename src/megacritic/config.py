@@ -107,7 +107,8 @@ class ModelConfig:
     """Coefficient of the router's load-balancing loss (Switch-Transformer style, per MoE layer and
     micro-batch). 0 (the default) leaves it off, as suits a critic; a nonzero value adds coeff x that loss,
     weighted by each micro-batch's tokens over the mini-batch's real tokens, to the value loss (it trains
-    the routers and the layers below them), and critic/moe_aux_loss reports it (mean over MoE layers)."""
+    the routers and the layers below them), and critic/moe_aux_loss reports it (mean over MoE layers and
+    micro-batches, without the coefficient). Padding is left out of it."""
     freeze_moe_router: bool = False
     """Keep every router's weights fixed (not trained, no optimizer state)."""
     use_remove_padding: bool = True
@@ -335,7 +336,8 @@ def _check_moe(m: ModelConfig, mg: "MegatronConfig") -> None:
         _positive("megatron.expert_tensor_parallel_size", etp)
     if not is_moe(m):
         if m.num_experts is not None and m.num_experts < 0:
-            _fail("model.num_experts", m.num_experts, "must be a positive number of experts, or null/0 for a dense model")
+            _fail("model.num_experts", m.num_experts,
+                  "must be a positive number of experts, or null/0 for a dense model")
         for key, value, off in (("megatron.expert_model_parallel_size", ep, 1),
                                 ("megatron.expert_tensor_parallel_size", etp, None),
                                 ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, 0.0),
@@ -352,7 +354,8 @@ def _check_moe(m: ModelConfig, mg: "MegatronConfig") -> None:
     if m.moe_intermediate_size is not None:
         _positive("model.moe_intermediate_size", m.moe_intermediate_size)
     if m.shared_expert_intermediate_size is not None and m.shared_expert_intermediate_size < 0:
-        _fail("model.shared_expert_intermediate_size", m.shared_expert_intermediate_size, "must be positive, or null/0 for none")
+        _fail("model.shared_expert_intermediate_size", m.shared_expert_intermediate_size,
+              "must be positive, or null/0 for none")
     _positive("model.decoder_sparse_step", m.decoder_sparse_step)
     for i in m.mlp_only_layers or ():
         if not isinstance(i, int) or not 0 <= i < m.num_hidden_layers:
@@ -363,8 +366,8 @@ def _check_moe(m: ModelConfig, mg: "MegatronConfig") -> None:
     if m.num_experts % ep:
         _fail("megatron.expert_model_parallel_size", ep, f"must divide model.num_experts ({m.num_experts})")
     if expert_ffn_size(m) % (etp or tp):
-        key, value = ("megatron.expert_tensor_parallel_size", etp) if etp else ("megatron.tensor_model_parallel_size", tp)
-        _fail(key, value, f"must divide the experts' FFN size (model.moe_intermediate_size, {expert_ffn_size(m)}); "
+        key = "megatron.expert_tensor_parallel_size" if etp else "megatron.tensor_model_parallel_size"
+        _fail(key, etp or tp, f"must divide the experts' FFN size (model.moe_intermediate_size, {expert_ffn_size(m)}); "
               "megatron.expert_tensor_parallel_size sets the experts' own split")
     if shared_expert_size(m) % tp:
         _fail("megatron.tensor_model_parallel_size", tp,

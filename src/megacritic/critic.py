@@ -71,7 +71,10 @@ class MegatronPPOCritic:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.update_calls = 0
+        # MoE routers attach their load-balancing loss unscaled; _set_moe_aux_coeff says why.
         self._routers = [m for chunk in model for m in chunk.modules() if isinstance(m, TopKRouter)]
+        for router in self._routers:
+            router.calculate_per_token_loss = False
         self._aux_tokens = 1  # real tokens of the current training mini-batch (load-balancing loss)
 
     # ---------------------------------------------------------------- public calls
@@ -127,7 +130,7 @@ class MegatronPPOCritic:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._start_moe_aux_loss(global_tokens)
+        self._aux_tokens = max(global_tokens, 1)
         parts, outputs = self.forward_backward_batch(local, forward_only=False, weights=weights)
         sums = self._reduce_stats(outputs)
         aux_loss = self._moe_aux_loss(len(parts))
@@ -160,22 +163,17 @@ class MegatronPPOCritic:
 
     # ---------------------------------------------------------------- MoE load-balancing loss
 
-    def _start_moe_aux_loss(self, global_tokens: int) -> None:
-        """Start a step whose load-balancing loss is coeff x (token-weighted mean over the mini-batch's
-        micro-batches of each MoE layer's loss): normalised once for the whole mini-batch, like the value loss.
+    def _set_moe_aux_coeff(self, mb: MicroBatch) -> None:
+        """Make the step's load-balancing loss coeff x (token-weighted mean over the mini-batch's micro-batches
+        of each MoE layer's loss): normalised once for the whole mini-batch, like the value loss.
 
         Megatron's router (with calculate_per_token_loss) attaches coeff x aux x its local token count and
         leaves the division by the global count to grad finalisation, which our normalisation skips; under
-        sequence parallelism each TP rank holds only its share of aux and of the tokens. So the routers
-        attach their share unscaled (calculate_per_token_loss off on the router alone), and each micro-batch
-        sets the coefficient to coeff x its real tokens / the mini-batch's (``_forward_step``); the router
-        reads it from its TransformerConfig at every forward (Megatron's config object, not ours).
+        sequence parallelism each TP rank holds only its share of aux and of the tokens. So the routers attach
+        their share unscaled (calculate_per_token_loss off on the routers alone), and before each micro-batch's
+        forward the coefficient becomes coeff x its real tokens / the mini-batch's; the router reads it from
+        its TransformerConfig at every forward (Megatron's config object, not ours).
         """
-        self._aux_tokens = max(global_tokens, 1)
-        for router in self._routers:
-            router.calculate_per_token_loss = False
-
-    def _set_moe_aux_coeff(self, mb: MicroBatch) -> None:
         coeff = self.config.model.moe_aux_loss_coeff
         if coeff and self._routers:
             # Positive even for a micro-batch of padding only: every TP rank must take part in the router's

@@ -121,7 +121,8 @@ class CriticWorker:
         experts = ExpertRanks(mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size(),
                               mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
         load_full_weights(chunks, weight_source(cfg.model, mg.seed), cfg.model,
-                          mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp), experts)
+                          mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp),
+                          experts)
         if cfg.model.freeze_moe_router:
             # Before DDP and the optimizer are built, so the routers get neither gradient buffers nor state.
             for chunk in chunks:

@@ -160,7 +160,7 @@ def hf_model_fields(cfg, path: str) -> dict:
               f"a window shorter than max_position_embeddings ({cfg.max_position_embeddings}) changes "
               "attention; only full attention is supported")
     theta, rope_scaling = _rope(cfg, path)
-    return dict(**_moe_fields(cfg, path), **dict(
+    fields = dict(
         model_type=model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -176,7 +176,9 @@ def hf_model_fields(cfg, path: str) -> dict:
         attention_bias=qkv_bias,
         qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.tie_word_embeddings),
-    ))
+    )
+    fields.update(_moe_fields(cfg, path))
+    return fields
 
 
 def _moe_fields(cfg, path: str) -> dict:
@@ -190,7 +192,8 @@ def _moe_fields(cfg, path: str) -> dict:
                   "router input jitter changes training; only 0.0 is supported")
         # Every layer is MoE, its experts intermediate_size wide; the top-k weights are renormalised.
         fields = dict(num_experts=cfg.num_local_experts, moe_intermediate_size=cfg.intermediate_size,
-                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], shared_expert_intermediate_size=None)
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      shared_expert_intermediate_size=None)
     else:
         fields = dict(num_experts=cfg.num_experts or None, moe_intermediate_size=cfg.moe_intermediate_size,
                       norm_topk_prob=bool(cfg.norm_topk_prob), decoder_sparse_step=cfg.decoder_sparse_step,
@@ -198,7 +201,7 @@ def _moe_fields(cfg, path: str) -> dict:
         if model_type == "qwen2_moe":
             if not cfg.shared_expert_intermediate_size and cfg.num_experts:
                 _fail(path, "shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
-                      "a Qwen2-MoE without a shared expert (size 0) is not supported; it is a qwen3_moe without QK-norm")
+                      "a Qwen2-MoE without a shared expert (size 0) is not supported")
             fields["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     if fields["num_experts"] and cfg.num_experts_per_tok == 1 and fields["norm_topk_prob"]:
         _fail(path, "num_experts_per_tok", 1, "top-1 routing with renormalised weights (norm_topk_prob) is not "

@@ -183,7 +183,8 @@ class ValueModel(GPTModel):
                  vp_stage: int | None):
         layers = get_num_layers_to_build(config, vp_stage=vp_stage)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        dense, moe = layer_spec(model.qk_layernorm), layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0))
+        dense = layer_spec(model.qk_layernorm)
+        moe = layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0))
         pattern = moe_layer_pattern(model)[offset:offset + layers]
         spec = TransformerBlockSubmodules(layer_specs=[moe if p else dense for p in pattern], layer_norm=RMSNorm)
         # Llama 3 RoPE scaling: Megatron implements HF's llama3 formula with its constants fixed to

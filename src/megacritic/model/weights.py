@@ -180,7 +180,7 @@ def _expert_global_name(local: str, ep: ExpertRanks, experts_per_rank: int) -> s
 
 
 def _fc_names(model: ModelConfig, expert: int) -> tuple[str, str, str]:
-    """HF gate / up / down names of a dense MLP (expert None), shared expert (-1) or routed expert (>= 0)."""
+    """HF gate / up / down names of the shared expert (-1) or a routed expert (>= 0)."""
     return moe_hf_names(model)[1] if expert >= 0 else ("gate_proj", "up_proj", "down_proj")
 
 
