@@ -255,6 +255,26 @@ def test_seeded_moe_export_loads_in_transformers_and_frozen_routers_stay(tmp_pat
     assert _rel(values, ref) < 1e-5
 
 
+def test_padded_and_packed_micro_batches_agree_with_the_load_balancing_loss(hf_models):
+    # Padding goes through the routers too; it must change neither values nor the load-balancing loss.
+    out = {}
+    for packed in ("true", "false"):
+        config = _config(hf_models["qwen2_moe"], "normal", "data.rollouts_per_step=8", "ppo_mini_batch_size=4",
+                         "ppo_micro_batch_size_per_gpu=2", "shuffle=false", "model.moe_aux_loss_coeff=0.01",
+                         f"model.use_remove_padding={packed}")
+        worker = CriticWorker(config)
+        worker.init_model()
+        try:
+            batch = SyntheticRollouts(config).batch(0)
+            batch["values"] = values = worker.compute_values(batch)
+            out[packed] = values, worker.update_critic(batch)
+        finally:
+            worker.close()
+    assert _rel(out["false"][0], out["true"][0]) < 1e-5
+    for key in ("critic/vf_loss", "critic/grad_norm", "critic/moe_aux_loss"):
+        assert _rel(out["false"][1][key], out["true"][1][key]) < 1e-5, key
+
+
 # ------------------------------------------------------------------ slow: parity under (TP, EP) layouts
 
 SCRIPT = Path(__file__).parents[1] / "multiproc" / "moe_run.py"
