@@ -136,3 +136,18 @@ def test_consecutive_skipped_steps_stop_the_run(tmp_path):
     records = _records(out)
     assert len(records) == 4 and all(r["critic/skipped_steps"] == 1.0 for r in records)
     assert all(r["critic/grad_norm"] is None for r in records)  # NaN is written as null
+
+
+def test_mfu_counts_the_experts_a_token_runs_through():
+    from megacritic.bench import forward_flops
+    from megacritic.cli import _active_shape
+    from megacritic.config import load_config
+    dense = load_config(["model.num_hidden_layers=2"]).model
+    assert _active_shape(dense)["intermediate_size"] == dense.intermediate_size
+    # layer 0 dense (FFN 128), layer 1 MoE: top-2 of 4 experts of 32, a shared expert of 48, a 4-way router
+    moe = load_config(["model.num_hidden_layers=2", "model.num_experts=4", "model.moe_intermediate_size=32",
+                       "model.shared_expert_intermediate_size=48", "model.mlp_only_layers=[0]"]).model
+    h = moe.hidden_size
+    ffn = 3 * h * (128 + 2 * 32 + 48) + h * 4
+    assert forward_flops(_active_shape(moe), [10]) - forward_flops(_active_shape(dense), [10]) == \
+        pytest.approx(2 * 10 * (ffn - 2 * 3 * h * 128))
