@@ -289,6 +289,7 @@ LAYOUTS = {
                              "megatron.expert_model_parallel_size=2", "megatron.expert_tensor_parallel_size=1"]),
 }
 CASES = [pytest.param(layout, name, id=f"{layout}-{name}") for layout in LAYOUTS for name in MODELS]
+CHECKPOINTED = "qwen2_moe"  # saved and reloaded under every layout (shared expert, all parameter kinds)
 
 
 @pytest.fixture(scope="module")
@@ -297,7 +298,8 @@ def runs(hf_models, tmp_path_factory):
     for layout, (nproc, overrides) in LAYOUTS.items():
         root = tmp_path_factory.mktemp(layout)
         spec = root / "models.json"
-        spec.write_text(json.dumps({n: [str(hf_models[n]), head, extra] for n, (_, head, extra) in MODELS.items()}))
+        spec.write_text(json.dumps({n: [str(hf_models[n]), head, extra, n == CHECKPOINTED]
+                                    for n, (_, head, extra) in MODELS.items()}))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(SCRIPT), str(root), str(spec), *overrides]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -347,6 +349,13 @@ def test_trained_export_computes_our_values(runs, layout, name):
     ref, info = _hf_values(root / name / "trained", {**got, "values": got["values_after"]})
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
     assert _rel(got["values_after"], ref) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_checkpoint_reloads_the_trained_critic(runs, layout):
+    got = runs[layout][1][CHECKPOINTED]
+    assert got["reloaded"] == got["values_after"]  # bit for bit: same layout, same weights
 
 
 @pytest.mark.slow

@@ -2,9 +2,10 @@
 
     torchrun --nproc_per_node N tests/multiproc/moe_run.py OUT_DIR MODELS.json [dotted.key=value ...]
 
-MODELS.json maps a name to [model folder, value_head_init, [extra dotted overrides]]. For each model: import
-it (model.path), compute values on a batch, export (OUT_DIR/<name>/import), train three optimizer steps
-(three mini-batches of one update_critic call), compute values again and export (OUT_DIR/<name>/trained).
+MODELS.json maps a name to [model folder, value_head_init, [extra dotted overrides], whether to checkpoint].
+For each model: import it (model.path), compute values on a batch, export (OUT_DIR/<name>/import), train three optimizer steps
+(three mini-batches of one update_critic call), compute values again, export (OUT_DIR/<name>/trained) and,
+if asked, save a checkpoint, which a fresh worker loads and computes the values from once more.
 Rank 0 writes OUT_DIR/results.json with the batch, both values, the metrics and the routers' weights before
 and after training (to check model.freeze_moe_router).
 """
@@ -37,7 +38,7 @@ def _router_sum(worker) -> float:
 
 def run(out: Path, models: dict, overrides: list[str]) -> dict:
     results = {}
-    for name, (folder, head_init, extra) in models.items():
+    for name, (folder, head_init, extra, with_checkpoint) in models.items():
         config = load_config(BASE + [f"model.path={folder}", f"model.value_head_init={head_init}"] + extra
                              + overrides)
         worker = CriticWorker(config)
@@ -52,9 +53,18 @@ def run(out: Path, models: dict, overrides: list[str]) -> dict:
         after = worker.compute_values(batch)
         worker.export_hf(str(out / name / "trained"))
         routers_after = _router_sum(worker)
+        reloaded = None
+        if with_checkpoint:
+            saved = worker.save_checkpoint(str(out / name / "checkpoints"), 1, {})
+            worker.close()
+            worker = CriticWorker(config)
+            worker.init_model()
+            worker.load_checkpoint(saved)
+            reloaded = worker.compute_values(batch).tolist()
         worker.close()
         results[name] = {key: batch[key].tolist() for key in ("input_ids", "attention_mask", "position_ids")}
-        results[name].update(values=values.tolist(), values_after=after.tolist(), metrics=metrics,
+        results[name].update(values=values.tolist(), values_after=after.tolist(), reloaded=reloaded,
+                             metrics=metrics,
                              routers=[routers_before, routers_after], seed=config.megatron.seed)
     return results
 
