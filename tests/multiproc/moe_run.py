@@ -3,11 +3,11 @@
     torchrun --nproc_per_node N tests/multiproc/moe_run.py OUT_DIR MODELS.json [dotted.key=value ...]
 
 MODELS.json maps a name to [model folder, value_head_init, [extra dotted overrides], whether to checkpoint].
-For each model: import it (model.path), compute values on a batch, export (OUT_DIR/<name>/import), train three optimizer steps
-(three mini-batches of one update_critic call), compute values again, export (OUT_DIR/<name>/trained) and,
-if asked, save a checkpoint, which a fresh worker loads and computes the values from once more.
-Rank 0 writes OUT_DIR/results.json with the batch, both values, the metrics and the routers' weights before
-and after training (to check model.freeze_moe_router).
+For each model: import it (model.path), compute values on a batch, export (OUT_DIR/<name>/import), train
+three optimizer steps (three mini-batches of one update_critic call), compute values again, export
+(OUT_DIR/<name>/trained) and, if asked, save a checkpoint, which a fresh worker loads and computes the values
+from once more. Rank 0 writes OUT_DIR/results.json with the batch, the values, the metrics and the routers'
+weights before and after training (to check model.freeze_moe_router).
 """
 
 import json
