@@ -177,6 +177,8 @@ def test_export_family_refusals():
                      (dict(model_type="qwen3_moe", attention_bias=False, qk_layernorm=True,
                            shared_expert_intermediate_size=16), "shared_expert_intermediate_size"),
                      (dict(model_type="qwen2_moe"), "shared_expert_intermediate_size"),
+                     (dict(model_type="mixtral", attention_bias=False, norm_topk_prob=True, num_experts=None),
+                      "num_experts"),
                      (dict(model_type="qwen2"), "num_experts")):
         with pytest.raises(ConfigError, match=key):
             export_family(ModelConfig(**{**base, **bad}))

@@ -364,6 +364,7 @@ def export_family(model: ModelConfig) -> str:
                       ("shared_expert_intermediate_size", not shared, "has no shared expert")],
         "mixtral": [("attention_bias", not bias, "has no Q/K/V bias"), ("qk_layernorm", not qk, "has no QK-norm"),
                     ("shared_expert_intermediate_size", not shared, "has no shared expert"),
+                    ("num_experts", is_moe(model), "has experts"),
                     ("norm_topk_prob", model.norm_topk_prob, "always renormalises the top-k weights"),
                     ("mlp_only_layers", all(moe_layer_pattern(model)), "has experts in every layer")],
     }[family]
