@@ -106,6 +106,12 @@ def test_unsupported_fields_are_refused_by_name(hf_models, tmp_path, family, cha
     assert key in str(info.value) and "model.path" in str(info.value), str(info.value)
 
 
+def test_experts_cannot_be_added_to_a_dense_checkpoint(tmp_path):
+    T.Qwen2ForCausalLM(T.Qwen2Config(**COMMON, intermediate_size=64)).save_pretrained(tmp_path / "dense")
+    with pytest.raises(ConfigError, match="model.num_experts=4"):
+        _config(tmp_path / "dense", "normal", "model.num_experts=4")
+
+
 def test_a_moe_field_we_do_not_know_is_refused(hf_models, monkeypatch):
     from megacritic.model import hf
     monkeypatch.setattr(hf, "MAPPED_FIELDS", hf.MAPPED_FIELDS - {"decoder_sparse_step"})

@@ -182,10 +182,10 @@ def hf_model_fields(cfg, path: str) -> dict:
 
 
 def _moe_fields(cfg, path: str) -> dict:
-    """ModelConfig's MoE fields for a qwen2_moe / qwen3_moe / mixtral config (none for dense families)."""
+    """ModelConfig's MoE fields for a qwen2_moe / qwen3_moe / mixtral config (no experts for dense families)."""
     model_type = cfg.model_type
     if model_type not in MOE_MODEL_TYPES:
-        return {}
+        return {"num_experts": None}
     if model_type == "mixtral":
         if cfg.router_jitter_noise:
             _fail(path, "router_jitter_noise", cfg.router_jitter_noise,
