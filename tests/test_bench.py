@@ -33,3 +33,14 @@ def test_bench_writes_rows(tmp_path):
     for row in rows:
         assert {"system", "model", "phase", "real_tokens_per_s", "mfu", "peak_mem_gib"} <= row.keys()
         assert row["real_tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_moe_gpu_script_runs_its_cpu_tiny_path():
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "bench" / "moe_gpu.py"
+    proc = subprocess.run([sys.executable, str(script), "--cpu-tiny"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "update_critic" in proc.stdout and "real tokens/s" in proc.stdout

@@ -231,3 +231,18 @@ def test_profile_steps_write_a_chrome_trace(tmp_path):
     assert any("aten::mm" in n or "aten::addmm" in n or "aten::linear" in n for n in names)
     record = _records(out)[-1]
     assert record["timing_s/forward_backward"] > 0 and record["timing_s/optimizer"] > 0
+
+
+def test_mfu_counts_the_experts_a_token_runs_through():
+    from megacritic.bench import forward_flops
+    from megacritic.cli import _active_shape
+    from megacritic.config import load_config
+    dense = load_config(["model.num_hidden_layers=2"]).model
+    assert _active_shape(dense)["intermediate_size"] == dense.intermediate_size
+    # layer 0 dense (FFN 128), layer 1 MoE: top-2 of 4 experts of 32, a shared expert of 48, a 4-way router
+    moe = load_config(["model.num_hidden_layers=2", "model.num_experts=4", "model.moe_intermediate_size=32",
+                       "model.shared_expert_intermediate_size=48", "model.mlp_only_layers=[0]"]).model
+    h = moe.hidden_size
+    ffn = 3 * h * (128 + 2 * 32 + 48) + h * 4
+    assert forward_flops(_active_shape(moe), [10]) - forward_flops(_active_shape(dense), [10]) == \
+        pytest.approx(2 * 10 * (ffn - 2 * 3 * h * 128))

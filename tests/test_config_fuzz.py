@@ -33,6 +33,12 @@ BAD = {
     "model.dtype": ["fp8", "half"],
     "model.value_head_init": ["uniform", "from_checkpoint"],  # from_checkpoint needs model.path
     "model.path": ["/nonexistent/model"],
+    "model.num_experts": [-1],
+    # MoE-only settings on the default dense model (or out of range)
+    "model.moe_aux_loss_coeff": [0.1, -1.0],
+    "model.freeze_moe_router": ["true"],
+    "megatron.expert_model_parallel_size": [0, 2],
+    "megatron.expert_tensor_parallel_size": [0, 2],
     "trainer.steps": [0, -1],
     "trainer.save_every": [-1],
     "trainer.max_consecutive_skips": [0],

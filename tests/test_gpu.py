@@ -1,4 +1,5 @@
-"""GPU checks (one CUDA device; skipped without one): the varlen FlashAttention path and bf16 training."""
+"""GPU checks (one CUDA device; skipped without one): the varlen FlashAttention path, bf16 training, offload
+and a mixture-of-experts critic."""
 
 import pytest
 import torch
@@ -163,3 +164,30 @@ def test_fused_adamw_resumes_from_checkpoint(tmp_path):
     resumed.close()
     for key in ("critic/vf_loss", "critic/grad_norm"):
         assert again[key] == pytest.approx(straight[key], rel=1e-6), key
+
+
+def test_moe_critic_runs_on_the_gpu_in_both_precisions():
+    # Float32 without the distributed optimizer is the path where the routers' and shared-expert gates'
+    # host-built weights are not moved by Megatron's parameter buffers; bf16 must agree with it.
+    from megacritic import CriticWorker, load_config
+    from megacritic.data import SyntheticRollouts
+
+    base = ["model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=128",
+            "model.shared_expert_intermediate_size=256", "model.hidden_size=256", "model.intermediate_size=512",
+            "model.num_hidden_layers=4", "model.num_attention_heads=8", "model.num_key_value_heads=2",
+            "model.mlp_only_layers=[0]", "model.moe_aux_loss_coeff=0.01", "data.rollouts_per_step=32",
+            "ppo_mini_batch_size=16", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=256", "shuffle=false"]
+    out = {}
+    for dtype, distributed in (("float32", "false"), ("bfloat16", "true")):
+        worker = CriticWorker(load_config(base + [f"model.dtype={dtype}",
+                                                  f"megatron.use_distributed_optimizer={distributed}"]))
+        worker.init_model()
+        batch = SyntheticRollouts(worker.config).batch(0)
+        batch["values"] = values = worker.compute_values(batch)
+        out[dtype] = values, worker.update_critic(batch)
+        worker.close()
+    (v32, m32), (v16, m16) = out["float32"], out["bfloat16"]
+    assert m32["critic/skipped_steps"] == [0.0, 0.0] and m16["critic/skipped_steps"] == [0.0, 0.0]
+    # bf16 activations against float32 ones, and a token whose top-k is a near tie may go to another expert
+    assert _rel(v16, v32) < 5e-2
+    assert abs(m16["critic/moe_aux_loss"][0] - m32["critic/moe_aux_loss"][0]) < 5e-2 * m32["critic/moe_aux_loss"][0]

@@ -42,6 +42,8 @@ class MicroBatch:
     weights: Tensor | None    # [b, R] loss aggregation weights (megacritic.losses.token_weights)
     loss_mask: Tensor | None  # [b, R]
     rows: int                 # real rollouts in this micro-batch (the rest are dummy rows)
+    padding_mask: Tensor      # shaped as input_ids: True on padding (MoE routers leave it out of their statistics)
+    tokens: int               # real tokens
 
 
 def plan_micro_batches(seq_lens: list[int], *, micro_batch_size: int | None, max_tokens: int | None,
@@ -98,6 +100,7 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
             total = max(total, pad_to[1])
         ids = torch.zeros(1, total, dtype=torch.long)
         ids[0, : starts[-1]] = aligned[real]
+        padding = torch.arange(total)[None, :] >= starts[-1]
         cu = starts if total == starts[-1] else torch.cat([starts, torch.tensor([total])])
         cu = cu.to(torch.int32)
         max_len = int((cu[1:] - cu[:-1]).max())
@@ -113,6 +116,8 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
             b, s = max(b, pad_to[0]), max(s, pad_to[1])
         ids = torch.zeros(b, s, dtype=torch.long)
         ids[: len(rows), :longest] = aligned
+        padding = torch.ones(b, s, dtype=torch.bool)
+        padding[: len(rows), :longest] = ~real
         value_index = torch.arange(len(rows))[:, None] * s + value_pos
 
     def rows_of(x: Tensor | None) -> Tensor | None:
@@ -128,8 +133,10 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
         if extra:
             x = torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
         fields[key] = x.to(device) if device is not None else x
-    return MicroBatch(input_ids=ids.to(device) if device is not None else ids, packed=packed_params,
-                      position_ids=position_ids, rows=len(rows), **fields)
+    if device is not None:
+        ids, padding = ids.to(device), padding.to(device)
+    return MicroBatch(input_ids=ids, packed=packed_params, position_ids=position_ids, rows=len(rows),
+                      padding_mask=padding, tokens=int(lens.sum()), **fields)
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -36,7 +36,8 @@ from tqdm import tqdm  # noqa: E402
 
 from megacritic.bench import PEAK_FLOPS, forward_flops, machine_kind  # noqa: E402
 from megacritic.checkpoint import CheckpointError, latest_checkpoint, read_trainer_state  # noqa: E402
-from megacritic.config import ConfigError, load_config, to_dict  # noqa: E402
+from megacritic.config import (ConfigError, expert_ffn_size, load_config, moe_layer_pattern,  # noqa: E402
+                               shared_expert_size, to_dict)
 from megacritic.advantages import compute_gae  # noqa: E402
 from megacritic.batch import BatchError  # noqa: E402
 from megacritic.data import rollout_source  # noqa: E402
@@ -99,6 +100,19 @@ def _open_log(path: str, keep_steps: int):
     return log
 
 
+def _active_shape(model) -> dict:
+    """The model as forward_flops counts it. With experts, a token's FFN in an MoE layer is its top-k
+    experts, the shared expert and the router (one [h, E] matmul, a third of an FFN of width E); the FFN
+    width given is the mean of that over the layers, so the count stays exact."""
+    shape = dataclasses.asdict(model)
+    pattern = moe_layer_pattern(model)
+    if any(pattern):
+        moe = (model.num_experts_per_tok * expert_ffn_size(model) + shared_expert_size(model)
+               + model.num_experts / 3)
+        shape["intermediate_size"] = sum(moe if p else model.intermediate_size for p in pattern) / len(pattern)
+    return shape
+
+
 def _batch_metrics(batch, update_time: float, config, peak_flops: float) -> dict[str, float]:
     """Per-iteration statistics of the values and returns (response tokens) and the update's MFU on the
     real, unpadded tokens against the device's dense bf16 peak (NaN where the peak is unknown, e.g. CPU)."""
@@ -109,7 +123,7 @@ def _batch_metrics(batch, update_time: float, config, peak_flops: float) -> dict
         x = batch[key][mask].double()
         out.update({f"critic/{key}/mean": x.mean().item(), f"critic/{key}/max": x.max().item(),
                     f"critic/{key}/min": x.min().item()})
-    flops = 3 * forward_flops(dataclasses.asdict(config.model), batch["attention_mask"].sum(1).tolist())
+    flops = 3 * forward_flops(_active_shape(config.model), batch["attention_mask"].sum(1).tolist())
     out["perf/mfu"] = flops * config.ppo_epochs / update_time / peak_flops
     return out
 

@@ -23,7 +23,9 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16")
 VALUE_HEAD_INITS = ("normal", "zeros", "from_checkpoint")
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 # Megatron-Core's Llama 3 RoPE scaling takes only the factor; these are its fixed constants.
 LLAMA3_ROPE_CONSTANTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -34,8 +36,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Architecture of the value model (Llama / Qwen2 / Qwen3 / Mistral family; names as in a Hugging Face
-    config.json)."""
+    """Architecture of the value model (Llama / Qwen2 / Qwen3 / Mistral family, and the mixture-of-experts
+    Qwen2-MoE / Qwen3-MoE / Mixtral; names as in a Hugging Face config.json)."""
 
     path: Optional[str] = None
     """Local Hugging Face model folder (config.json and safetensors, sharded or not) to start from. Its
@@ -43,13 +45,14 @@ class ModelConfig:
     different value is an error, as is anything in it the value model cannot honour) and the weights are
     read from it. Unset: the architecture below with seeded random weights."""
     model_type: Optional[str] = None
-    """Hugging Face family: llama, qwen2, qwen3 or mistral; filled from model.path. Without a path it only
-    names the family of an exported checkpoint (unset: qwen3 with qk_layernorm, qwen2 with attention_bias,
-    else llama)."""
+    """Hugging Face family: llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe or mixtral; filled from
+    model.path. Without a path it only names the family of an exported checkpoint (unset, dense: qwen3 with
+    qk_layernorm, qwen2 with attention_bias, else llama; with experts: qwen2_moe with a shared expert,
+    qwen3_moe with qk_layernorm, else mixtral)."""
     vocab_size: int = 64
     hidden_size: int = 64
     intermediate_size: int = 128
-    """FFN (SwiGLU) inner size."""
+    """FFN (SwiGLU) inner size of the dense layers."""
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
@@ -80,6 +83,34 @@ class ModelConfig:
     """Std of the value head's weight at initialisation (its bias starts at 0)."""
     dtype: str = "auto"
     """Parameter and compute dtype: float32, bfloat16, or auto (bfloat16 on GPU, float32 on CPU)."""
+    num_experts: Optional[int] = None
+    """Routed experts per mixture-of-experts (MoE) layer (Mixtral's num_local_experts); None or 0: a dense
+    model. Each MoE layer is Megatron-Core's MoELayer: a softmax top-k router, SequentialMLP experts, no
+    token dropping, no router jitter or z-loss."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: Optional[int] = None
+    """FFN inner size of each routed expert; defaults to intermediate_size."""
+    shared_expert_intermediate_size: Optional[int] = None
+    """FFN inner size of the shared expert that every token also goes through, its output scaled by a
+    sigmoid gate (Qwen2-MoE); None or 0: none."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing weights to sum to 1. False (Qwen2-MoE / Qwen3-MoE default): softmax
+    over all experts, then the top-k of those probabilities. True: softmax over the top-k logits (Mixtral
+    always does this)."""
+    decoder_sparse_step: int = 1
+    """Layer i (from 0) is an MoE layer when (i + 1) is a multiple of this and i is not in mlp_only_layers;
+    the other layers are dense (intermediate_size)."""
+    mlp_only_layers: list = field(default_factory=list)
+    """Indices of layers that stay dense whatever decoder_sparse_step says."""
+    moe_aux_loss_coeff: float = 0.0
+    """Coefficient of the router's load-balancing loss (Switch-Transformer style, per MoE layer and
+    micro-batch). 0 (the default) leaves it off, as suits a critic; a nonzero value adds coeff x that loss,
+    weighted by each micro-batch's tokens over the mini-batch's real tokens, to the value loss (it trains
+    the routers and the layers below them), and critic/moe_aux_loss reports it (mean over MoE layers and
+    micro-batches, without the coefficient). Padding is left out of it."""
+    freeze_moe_router: bool = False
+    """Keep every router's weights fixed (not trained, no optimizer state)."""
     use_remove_padding: bool = True
     """Pack each micro-batch's rollouts into one sequence without padding (THD, varlen attention on GPU).
     False pads every rollout of a micro-batch to the longest one instead."""
@@ -111,6 +142,14 @@ class MegatronConfig:
     optimizer_offload: bool = False
     """Keep optimizer state (fp32 main parameters and Adam moments) in host memory between calls
     (needs bf16 parameters: with fp32 ones the optimizer updates the parameters in place)."""
+    expert_model_parallel_size: int = 1
+    """Expert parallelism (MoE models): the routed experts of each layer are split over this many ranks,
+    taken from the data-parallel ranks (it must divide world size / (tensor x pipeline parallel)); tokens
+    reach their experts through Megatron's all-to-all token dispatcher."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Tensor parallelism inside each routed expert; None: the same as tensor_model_parallel_size
+    (Megatron's default). 1 keeps experts whole, so with TP > 1 the TP ranks act as expert data-parallel
+    replicas."""
     seed: int = 42
     """Seed of the weight initialisation (identical for every parallel layout)."""
     nccl_timeout: int = 600
@@ -271,6 +310,90 @@ def head_dim(model: ModelConfig) -> int:
     return model.head_dim or model.hidden_size // model.num_attention_heads
 
 
+def is_moe(model: ModelConfig) -> bool:
+    return bool(model.num_experts)
+
+
+def moe_layer_pattern(model: ModelConfig) -> list[int]:
+    """1 for each MoE layer, 0 for each dense one (Hugging Face's decoder_sparse_step / mlp_only_layers rule;
+    Megatron's moe_layer_freq list)."""
+    if not is_moe(model):
+        return [0] * model.num_hidden_layers
+    dense = set(model.mlp_only_layers or ())
+    return [int(i not in dense and (i + 1) % model.decoder_sparse_step == 0) for i in range(model.num_hidden_layers)]
+
+
+def expert_ffn_size(model: ModelConfig) -> int:
+    return model.moe_intermediate_size or model.intermediate_size
+
+
+def shared_expert_size(model: ModelConfig) -> int:
+    """FFN size of the shared expert; 0 for none."""
+    return model.shared_expert_intermediate_size or 0
+
+
+def hf_family(model: ModelConfig) -> str:
+    """The Hugging Face family whose tensor names the model uses (model.model_type, else inferred)."""
+    if model.model_type:
+        return model.model_type
+    if is_moe(model):
+        return "qwen2_moe" if shared_expert_size(model) else "qwen3_moe" if model.qk_layernorm else "mixtral"
+    return "qwen3" if model.qk_layernorm else "qwen2" if model.attention_bias else "llama"
+
+
+def _check_moe(m: ModelConfig, mg: "MegatronConfig") -> None:
+    ep, etp, tp = mg.expert_model_parallel_size, mg.expert_tensor_parallel_size, mg.tensor_model_parallel_size
+    _positive("megatron.expert_model_parallel_size", ep)
+    if etp is not None:
+        _positive("megatron.expert_tensor_parallel_size", etp)
+    if not is_moe(m):
+        if m.num_experts is not None and m.num_experts < 0:
+            _fail("model.num_experts", m.num_experts,
+                  "must be a positive number of experts, or null/0 for a dense model")
+        for key, value, off in (("megatron.expert_model_parallel_size", ep, 1),
+                                ("megatron.expert_tensor_parallel_size", etp, None),
+                                ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, 0.0),
+                                ("model.freeze_moe_router", m.freeze_moe_router, False)):
+            if value != off:
+                _fail(key, value, "applies only to mixture-of-experts models (set model.num_experts)")
+        return
+    _positive("model.num_experts", m.num_experts)
+    if not 1 <= m.num_experts_per_tok <= m.num_experts:
+        _fail("model.num_experts_per_tok", m.num_experts_per_tok, f"must lie in [1, model.num_experts={m.num_experts}]")
+    if m.num_experts_per_tok == 1 and m.norm_topk_prob:
+        _fail("model.num_experts_per_tok", 1, "with norm_topk_prob=true every token's weight is exactly 1, which "
+              "Megatron-Core's top-1 router cannot express (it needs the softmax over all experts); use top-k >= 2")
+    if m.moe_intermediate_size is not None:
+        _positive("model.moe_intermediate_size", m.moe_intermediate_size)
+    if m.shared_expert_intermediate_size is not None and m.shared_expert_intermediate_size < 0:
+        _fail("model.shared_expert_intermediate_size", m.shared_expert_intermediate_size,
+              "must be positive, or null/0 for none")
+    _positive("model.decoder_sparse_step", m.decoder_sparse_step)
+    for i in m.mlp_only_layers or ():
+        if not isinstance(i, int) or not 0 <= i < m.num_hidden_layers:
+            _fail("model.mlp_only_layers", list(m.mlp_only_layers),
+                  f"must list layer indices in [0, model.num_hidden_layers={m.num_hidden_layers})")
+    if not m.moe_aux_loss_coeff >= 0:
+        _fail("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be non-negative (0 leaves it off)")
+    if m.num_experts % ep:
+        _fail("megatron.expert_model_parallel_size", ep, f"must divide model.num_experts ({m.num_experts})")
+    if expert_ffn_size(m) % (etp or tp):
+        key = "megatron.expert_tensor_parallel_size" if etp else "megatron.tensor_model_parallel_size"
+        _fail(key, etp or tp, f"must divide the experts' FFN size (model.moe_intermediate_size, {expert_ffn_size(m)}); "
+              "megatron.expert_tensor_parallel_size sets the experts' own split")
+    if shared_expert_size(m) % tp:
+        _fail("megatron.tensor_model_parallel_size", tp,
+              f"must divide model.shared_expert_intermediate_size ({shared_expert_size(m)})")
+    if tp > 1 and not mg.sequence_parallel:
+        _fail("megatron.sequence_parallel", False, "Megatron-Core's MoE layers need sequence parallelism whenever "
+              "tensor_model_parallel_size > 1; set it to true")
+    if ep == 1 and etp is not None and etp != tp:
+        _fail("megatron.expert_tensor_parallel_size", etp,
+              f"differs from tensor_model_parallel_size ({tp}) without expert parallelism: megatron-core then "
+              "treats the experts as dense parameters and never reduces their gradients over the ranks that "
+              "share them; leave it null (= TP) or set megatron.expert_model_parallel_size > 1")
+
+
 def _check_rope_scaling(rope_scaling) -> None:
     if rope_scaling is None:
         return
@@ -333,9 +456,10 @@ def validate(config: CriticConfig) -> None:
     if m.num_key_value_heads % tp:
         _fail("megatron.tensor_model_parallel_size", tp,
               f"must divide model.num_key_value_heads ({m.num_key_value_heads}), the query groups")
-    if m.intermediate_size % tp:
+    if m.intermediate_size % tp and 0 in moe_layer_pattern(m):
         _fail("megatron.tensor_model_parallel_size", tp,
               f"must divide model.intermediate_size ({m.intermediate_size})")
+    _check_moe(m, mg)
     if vpp is not None and vpp > 1:
         if pp < 2:
             _fail("megatron.virtual_pipeline_model_parallel_size", vpp,
@@ -433,6 +557,13 @@ def validate_layout(config: CriticConfig, world_size: int) -> int:
             f"({mg.tensor_model_parallel_size} x {mg.pipeline_model_parallel_size} x {mg.context_parallel_size}"
             f" = {model_parallel}); change megatron.* or the number of processes")
     dp = world_size // model_parallel
+    expert_parallel = (mg.expert_tensor_parallel_size or mg.tensor_model_parallel_size) * \
+        mg.expert_model_parallel_size * mg.pipeline_model_parallel_size
+    if world_size % expert_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by expert tensor x expert model x pipeline parallel sizes "
+            f"({expert_parallel}); change megatron.expert_model_parallel_size / expert_tensor_parallel_size or "
+            "the number of processes")
     if config.ppo_mini_batch_size % dp:
         _fail("ppo_mini_batch_size", config.ppo_mini_batch_size,
               f"must be a multiple of the data-parallel size ({dp})")

@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megacritic.batch import BatchError, Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch
 from megacritic.batching import MicroBatch, build_micro_batch, plan_micro_batches, round_up
-from megacritic.config import CriticConfig
+from megacritic.config import CriticConfig, moe_layer_pattern
 from megacritic.losses import STAT_KEYS, metrics_from_sums, stack_stats, token_weights, value_loss_and_stats
 from megacritic.partition import reverse_index
 
@@ -116,6 +118,11 @@ class MegatronPPOCritic:
         # What the critic is doing, for error messages when a collective fails (a peer died or hung).
         self.operation = "idle"
         self._data_time = 0.0  # this step's micro-batch planning, packing and copies to the device
+        # MoE routers attach their load-balancing loss unscaled; _set_moe_aux_coeff says why.
+        self._routers = [m for chunk in model for m in chunk.modules() if isinstance(m, TopKRouter)]
+        for router in self._routers:
+            router.calculate_per_token_loss = False
+        self._aux_tokens = 1  # real tokens of the current training mini-batch (load-balancing loss)
 
     # ---------------------------------------------------------------- public calls
 
@@ -200,9 +207,11 @@ class MegatronPPOCritic:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.operation = "update_critic: forward/backward and gradient reduction (Megatron schedule)"
-        _, outputs = self.forward_backward_batch(local, forward_only=False, weights=weights)
+        self._aux_tokens = max(global_tokens, 1)
+        parts, outputs = self.forward_backward_batch(local, forward_only=False, weights=weights)
         self.operation = "update_critic: reducing loss statistics"
         sums = self._reduce_stats(outputs)
+        aux_loss = self._moe_aux_loss(len(parts))
         self.operation = "update_critic: optimizer step"
         lr = self.optimizer.param_groups[0]["lr"]
         # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
@@ -230,7 +239,47 @@ class MegatronPPOCritic:
             "timing_s/data": self._data_time,
         })
         metrics.update(self.timers.take())
+        if aux_loss is not None:
+            metrics["critic/moe_aux_loss"] = aux_loss
         return metrics
+
+    # ---------------------------------------------------------------- MoE load-balancing loss
+
+    def _set_moe_aux_coeff(self, mb: MicroBatch) -> None:
+        """Make the step's load-balancing loss coeff x (token-weighted mean over the mini-batch's micro-batches
+        of each MoE layer's loss): normalised once for the whole mini-batch, like the value loss.
+
+        Megatron's router (with calculate_per_token_loss) attaches coeff x aux x its local token count and
+        leaves the division by the global count to grad finalisation, which our normalisation skips; under
+        sequence parallelism each TP rank holds only its share of aux and of the tokens. So the routers attach
+        their share unscaled (calculate_per_token_loss off on the routers alone), and before each micro-batch's
+        forward the coefficient becomes coeff x its real tokens / the mini-batch's; the router reads it from
+        its TransformerConfig at every forward (Megatron's config object, not ours).
+        """
+        coeff = self.config.model.moe_aux_loss_coeff
+        if coeff and self._routers:
+            # Positive even for a micro-batch of padding only: every TP rank must take part in the router's
+            # token-count all-reduce, and padding contributes nothing to the loss.
+            scale = coeff * max(mb.tokens, 1) / self._aux_tokens
+            for router in self._routers:
+                router.config.moe_aux_loss_coeff = scale
+
+    def _moe_aux_loss(self, num_micro_batches: int) -> float | None:
+        """The step's load-balancing loss (without its coefficient): mean over MoE layers and micro-batches,
+        averaged over data-parallel ranks. None when it is off."""
+        if self.config.model.moe_aux_loss_coeff == 0 or not any(moe_layer_pattern(self.config.model)):
+            return None
+        # Every rank takes part in the reductions, also a pipeline stage without MoE layers.
+        values = torch.zeros(self.config.model.num_hidden_layers, dtype=torch.float64, device=self.layout.device)
+        tracked = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        if tracked is not None:
+            values += tracked["values"].to(values)
+        clear_aux_losses_tracker()
+        dist.all_reduce(values, group=mpu.get_pipeline_model_parallel_group())  # layers live on their stage
+        dist.all_reduce(values, group=mpu.get_tensor_model_parallel_group())  # each TP rank holds its share
+        dist.all_reduce(values, group=mpu.get_data_parallel_group())
+        layers = sum(moe_layer_pattern(self.config.model))
+        return float(values.sum()) / (layers * num_micro_batches * self.layout.dp)
 
     # ---------------------------------------------------------------- Megatron schedule
 
@@ -286,9 +335,23 @@ class MegatronPPOCritic:
         mb: MicroBatch = next(data_iterator)
         # Rotary positions restart at 0 for each rollout (left-aligned rows, or position_ids when packed);
         # causal attention within a row or a packed rollout needs no attention mask.
+        kwargs = {}
+        if self._routers:
+            self._set_moe_aux_coeff(mb)
+            kwargs["padding_mask"] = self._padding_mask(mb, model)
         output = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
-                       packed_seq_params=mb.packed)
+                       packed_seq_params=mb.packed, **kwargs)
         return output, partial(self._loss, mb, forward_only)
+
+    def _padding_mask(self, mb: MicroBatch, model) -> torch.Tensor:
+        """MoE routers leave padding out of their load-balancing statistics. GPTModel cuts the mask to this TP
+        rank's sequence shard only on the first pipeline stage; later stages get their shard here."""
+        mask = mb.padding_mask
+        if self.layout.sequence_parallel and not getattr(model, "module", model).pre_process:
+            shard = mask.shape[1] // self.layout.tp
+            rank = mpu.get_tensor_model_parallel_rank()
+            mask = mask[:, rank * shard:(rank + 1) * shard]
+        return mask
 
     def _loss(self, mb: MicroBatch, forward_only: bool, output: torch.Tensor):
         vpreds = output.reshape(-1)[mb.value_index]  # [b, R] float32

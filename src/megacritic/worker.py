@@ -24,10 +24,10 @@ from megatron.core.timers import Timers
 
 from megacritic import checkpoint
 from megacritic.backend.cpu import enable_cpu_backend
-from megacritic.config import ConfigError, CriticConfig, to_dict, validate, validate_layout
+from megacritic.config import ConfigError, CriticConfig, is_moe, to_dict, validate, validate_layout
 from megacritic.critic import Layout, MegatronPPOCritic, StepTimers
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
-from megacritic.model.weights import load_full_weights, weight_source
+from megacritic.model.weights import ExpertRanks, load_full_weights, weight_source
 
 
 def _free_port() -> int:
@@ -124,6 +124,8 @@ class CriticWorker:
         vpp = mg.virtual_pipeline_model_parallel_size if (mg.virtual_pipeline_model_parallel_size or 1) > 1 else None
         mpu.initialize_model_parallel(mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size,
                                       virtual_pipeline_model_parallel_size=vpp,
+                                      expert_model_parallel_size=mg.expert_model_parallel_size,
+                                      expert_tensor_parallel_size=mg.expert_tensor_parallel_size,
                                       distributed_timeout_minutes=max(1, math.ceil(mg.nccl_timeout / 60)))
         model_parallel_cuda_manual_seed(mg.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
@@ -139,13 +141,28 @@ class CriticWorker:
         #    layout; each rank reads only its shard).
         tconfig = transformer_config(cfg.model, tp=tp, pp=layout.pp, vpp=vpp,
                                      sequence_parallel=layout.sequence_parallel, dtype=dtype, on_cpu=on_cpu,
-                                     variable_seq_lengths=layout.variable_seq_lengths)
+                                     variable_seq_lengths=layout.variable_seq_lengths,
+                                     ep=mg.expert_model_parallel_size, etp=mg.expert_tensor_parallel_size)
         # Megatron's own timers (schedule, gradient reduction, optimizer) feed the timing_s/* metrics.
         timers = Timers(log_level=mg.timing_level, log_option="max") if mg.timing_level else None
         tconfig.timers = timers
         chunks = build_value_model(cfg.model, tconfig)
+        if not on_cpu and is_moe(cfg.model):
+            # Megatron's router and shared-expert gate create their weights in host memory (an upstream TODO);
+            # Megatron-LM moves every model to the GPU once built, and so do we (dense modules are already there).
+            for chunk in chunks:
+                chunk.cuda(torch.cuda.current_device())
+        experts = ExpertRanks(mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size(),
+                              mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
         load_full_weights(chunks, weight_source(cfg.model, mg.seed), cfg.model,
-                          mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp))
+                          mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp),
+                          experts)
+        if cfg.model.freeze_moe_router:
+            # Before DDP and the optimizer are built, so the routers get neither gradient buffers nor state.
+            for chunk in chunks:
+                for name, param in chunk.named_parameters():
+                    if name.endswith("mlp.router.weight"):
+                        param.requires_grad_(False)
 
         # 3. Megatron DDP: contiguous fp32 gradient buffers, reduced once per step.
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -268,6 +285,7 @@ class CriticWorker:
     def load_checkpoint(self, folder: str) -> dict:
         """Collective: restore a checkpoint saved under any TP / PP / DP layout; returns its trainer_state."""
         critic = self._require_model()
+        self._check_expert_layout(folder)
         self.onload()
         critic.operation = f"load_checkpoint ({folder})"
         state = checkpoint.load_checkpoint(folder, critic.model, critic.optimizer)
@@ -275,6 +293,17 @@ class CriticWorker:
         critic.scheduler.load_state_dict(state["scheduler"])
         critic.update_calls = state["update_calls"]
         return state["trainer"]
+
+    def _check_expert_layout(self, folder: str) -> None:
+        """megatron-core gives the experts an optimizer of their own only with expert parallelism > 1, and the
+        two optimizer layouts' checkpoints do not load into each other."""
+        saved = checkpoint.read_trainer_state(folder).get("config", {}).get("megatron", {})
+        saved_ep, ep = saved.get("expert_model_parallel_size", 1), self.config.megatron.expert_model_parallel_size
+        if is_moe(self.config.model) and (saved_ep > 1) != (ep > 1):
+            raise ConfigError(f"megatron.expert_model_parallel_size={ep}: the checkpoint {folder} was saved with "
+                              f"{saved_ep}; a mixture-of-experts checkpoint resumes only with expert parallelism "
+                              f"{'> 1' if saved_ep > 1 else '= 1'} (megatron-core keeps the experts' optimizer "
+                              "state apart only when it is > 1)")
 
     def close(self) -> None:
         """Tear down Megatron's parallel state (and the process group if this worker created it)."""

@@ -10,7 +10,8 @@ changes only what those Megatron modules see:
   turns streams and synchronisation into no-ops;
 * the model-parallel RNG tracker keeps CPU generator states instead of CUDA ones;
 * the three optimizer functions that check ``tensor.type()`` run with CPU float tensors reported
-  as their CUDA types (for the duration of those calls only).
+  as their CUDA types (for the duration of those calls only);
+* the MoE all-to-all token dispatcher gets its split sizes as the sequence of ints it gets on a GPU.
 
 It is switched on by :func:`enable_cpu_backend`, which does nothing when CUDA is available, so a
 GPU run executes upstream Megatron-Core untouched. ``tests/backend/test_cpu.py`` checks both.
@@ -52,6 +53,13 @@ _CUDA_MODULES = (
     "megatron.core.transformer.transformer_layer",
     "megatron.core.transformer.transformer_block",
     "megatron.core.transformer.utils",
+    # MoE layers: the router moves its weight to the current device, the all-to-all dispatcher copies split
+    # sizes to the host on a side stream, the aux-loss tracker allocates on CUDA.
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.shared_experts",
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.dist_checkpointing.tensor_aware_state_dict",
     "megatron.core.dist_checkpointing.strategies.torch",
@@ -86,6 +94,19 @@ def _cpu_factory(fn):
     return wrapped
 
 
+class _NullEvent:
+    """Stands in for ``torch.cuda.Event``: CPU work is already complete when recorded."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NullStream:
     """Stands in for ``torch.cuda.Stream``: CPU work is already ordered."""
 
@@ -99,7 +120,7 @@ class _NullStream:
         pass
 
     def record_event(self, *args, **kwargs):
-        return None
+        return _NullEvent()
 
     def synchronize(self):
         pass
@@ -126,6 +147,7 @@ class _CpuCuda(types.SimpleNamespace):
         return _NullStream()
 
     Stream = _NullStream
+    Event = _NullEvent
 
     @staticmethod
     def stream(*args, **kwargs):
@@ -221,6 +243,15 @@ def _typed_as_cuda(fn):
     return wrapped
 
 
+def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """The MoE all-to-all dispatcher's device-to-host copy of its split sizes, for tensors already on the host.
+    Upstream turns them into numpy only when it copies them off a GPU; ``all_to_all_single`` takes a
+    sequence of ints, not a CPU tensor."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def enable_cpu_backend() -> bool:
     """Make Megatron-Core usable on CPU. Returns True when the CPU backend is (now) active.
 
@@ -240,6 +271,9 @@ def enable_cpu_backend() -> bool:
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     random._get_cuda_rng_state = _get_rng_state
     random._set_cuda_rng_state = _set_rng_state
+
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes
 
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")

@@ -6,7 +6,8 @@ every generation of config.json (``rope_theta`` + ``rope_scaling``, or ``rope_pa
 ``safetensors`` for tensors, opened lazily and read tensor by tensor and slice by slice, so a rank reads
 only the rows of its own shard (a stage's tensors, cut by TP) and memory stays bounded by that shard.
 
-Families: llama (incl. Llama 3 RoPE scaling), qwen2, qwen3 (QK-norm), mistral. Every field of their
+Families: llama (incl. Llama 3 RoPE scaling), qwen2, qwen3 (QK-norm), mistral, and the mixture-of-experts
+qwen2_moe (shared expert), qwen3_moe and mixtral. Every field of their
 config classes is either mapped onto :class:`~megacritic.config.ModelConfig`, checked to hold a value the
 value model computes exactly, or listed as inert below; any other (a field a newer transformers adds, or a
 checkpoint feature we cannot honour) is a :class:`~megacritic.config.ConfigError` naming the field.
@@ -21,10 +22,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megacritic.config import ConfigError, ModelConfig, head_dim
+from megacritic.config import (MOE_MODEL_TYPES, ConfigError, ModelConfig, expert_ffn_size, head_dim, hf_family,
+                               is_moe, moe_layer_pattern, shared_expert_size)
 from megacritic.model.weights import FullTensor, hf_from_megatron, hf_shapes, param_layer, seeded_initializer
 
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+            "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
 
 # Family config fields that change neither the values nor a training step of the critic, and why.
 INERT_FIELDS = {
@@ -36,6 +39,10 @@ INERT_FIELDS = {
     "pad_token_id": "tokenizer metadata",
     "pretraining_tp": "splits matmuls in older transformers, numerically the same product",
     "max_window_layers": "only places sliding-window layers, which layer_types then lists (and we check)",
+    "output_router_logits": "only adds router logits (and their loss) to *ForCausalLM outputs",
+    # The language model's training setting. HF's *ForTokenClassification never adds it; the critic's own
+    # is model.moe_aux_loss_coeff (default 0), which an export without model.path writes here.
+    "router_aux_loss_coef": "the language model's training setting; the critic's is model.moe_aux_loss_coeff",
 }
 # Family config fields mapped or checked by hf_model_fields.
 MAPPED_FIELDS = {
@@ -43,6 +50,10 @@ MAPPED_FIELDS = {
     "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
     "tie_word_embeddings", "attention_bias", "hidden_act", "mlp_bias", "attention_dropout",
     "sliding_window", "use_sliding_window", "layer_types",
+    # mixture of experts
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias",
+    "router_jitter_noise",
 }
 # Checkpoint tensors the critic does not use: the LM head (replaced by the value head), a classification
 # head unless the value head starts from it, and rotary tables old checkpoints stored (recomputed).
@@ -132,6 +143,8 @@ def hf_model_fields(cfg, path: str) -> dict:
         _fail(path, "attention_dropout", cfg.attention_dropout, "dropout is not supported; set it to 0.0")
     if model_type == "qwen2":
         qkv_bias = True  # Qwen2 always has Q/K/V biases (and no output-projection bias)
+    elif model_type == "qwen2_moe":
+        qkv_bias = bool(cfg.qkv_bias)  # Q/K/V only, as in Qwen2
     else:
         qkv_bias = False
         if getattr(cfg, "attention_bias", False):
@@ -140,13 +153,14 @@ def hf_model_fields(cfg, path: str) -> dict:
     sliding = [t for t in (getattr(cfg, "layer_types", None) or []) if t != "full_attention"]
     if sliding:
         _fail(path, "layer_types", sliding[0], "only full attention is supported (sliding window is used)")
-    window = getattr(cfg, "sliding_window", None) if model_type == "mistral" else None
+    # qwen2(_moe) place sliding windows through layer_types (checked above); these apply theirs to every layer.
+    window = getattr(cfg, "sliding_window", None) if model_type in ("mistral", "mixtral", "qwen3_moe") else None
     if window is not None and window < cfg.max_position_embeddings:
         _fail(path, "sliding_window", window,
               f"a window shorter than max_position_embeddings ({cfg.max_position_embeddings}) changes "
               "attention; only full attention is supported")
     theta, rope_scaling = _rope(cfg, path)
-    return dict(
+    fields = dict(
         model_type=model_type,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -160,9 +174,40 @@ def hf_model_fields(cfg, path: str) -> dict:
         rope_scaling=rope_scaling,
         rms_norm_eps=float(cfg.rms_norm_eps),
         attention_bias=qkv_bias,
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.tie_word_embeddings),
     )
+    fields.update(_moe_fields(cfg, path))
+    return fields
+
+
+def _moe_fields(cfg, path: str) -> dict:
+    """ModelConfig's MoE fields for a qwen2_moe / qwen3_moe / mixtral config (no experts for dense families)."""
+    model_type = cfg.model_type
+    if model_type not in MOE_MODEL_TYPES:
+        return {"num_experts": None}
+    if model_type == "mixtral":
+        if cfg.router_jitter_noise:
+            _fail(path, "router_jitter_noise", cfg.router_jitter_noise,
+                  "router input jitter changes training; only 0.0 is supported")
+        # Every layer is MoE, its experts intermediate_size wide; the top-k weights are renormalised.
+        fields = dict(num_experts=cfg.num_local_experts, moe_intermediate_size=cfg.intermediate_size,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      shared_expert_intermediate_size=None)
+    else:
+        fields = dict(num_experts=cfg.num_experts or None, moe_intermediate_size=cfg.moe_intermediate_size,
+                      norm_topk_prob=bool(cfg.norm_topk_prob), decoder_sparse_step=cfg.decoder_sparse_step,
+                      mlp_only_layers=list(cfg.mlp_only_layers or []), shared_expert_intermediate_size=None)
+        if model_type == "qwen2_moe":
+            if not cfg.shared_expert_intermediate_size and cfg.num_experts:
+                _fail(path, "shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
+                      "a Qwen2-MoE without a shared expert (size 0) is not supported")
+            fields["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    if fields["num_experts"] and cfg.num_experts_per_tok == 1 and fields["norm_topk_prob"]:
+        _fail(path, "num_experts_per_tok", 1, "top-1 routing with renormalised weights (norm_topk_prob) is not "
+              "supported by Megatron-Core's router")
+    fields["num_experts_per_tok"] = cfg.num_experts_per_tok
+    return fields
 
 
 def apply_hf_config(model: ModelConfig) -> None:
@@ -302,13 +347,47 @@ def checkpoint_source(model: ModelConfig, seed: int) -> FullTensor:
 
 def export_family(model: ModelConfig) -> str:
     """The Hugging Face family an exported checkpoint uses; ConfigError if none computes this model."""
-    family = model.model_type or ("qwen3" if model.qk_layernorm else "qwen2" if model.attention_bias else "llama")
-    # What each family's config can express: Q/K/V bias only in qwen2, QK-norm only in qwen3.
-    if model.attention_bias != (family == "qwen2") or model.qk_layernorm != (family == "qwen3"):
-        raise ConfigError(f"model.model_type={family!r}: with attention_bias={model.attention_bias} and "
-                          f"qk_layernorm={model.qk_layernorm} no Hugging Face family of "
-                          f"{', '.join(FAMILIES)} computes this model; it cannot be exported")
+    family = hf_family(model)
+    if family not in MOE_MODEL_TYPES:
+        # What each family's config can express: Q/K/V bias only in qwen2, QK-norm only in qwen3.
+        if model.attention_bias != (family == "qwen2") or model.qk_layernorm != (family == "qwen3") or is_moe(model):
+            raise ConfigError(f"model.model_type={family!r}: with attention_bias={model.attention_bias}, "
+                              f"qk_layernorm={model.qk_layernorm} and num_experts={model.num_experts} no Hugging "
+                              f"Face family of {', '.join(FAMILIES)} computes this model; it cannot be exported")
+        return family
+    # What each MoE family's config can express: (key, whether the model fits, what the family has).
+    shared, bias, qk = shared_expert_size(model) > 0, model.attention_bias, model.qk_layernorm
+    checks = {
+        "qwen2_moe": [("qk_layernorm", not qk, "has no QK-norm"),
+                      ("shared_expert_intermediate_size", shared or not is_moe(model), "has a shared expert")],
+        "qwen3_moe": [("attention_bias", not bias, "has no Q/K/V bias"), ("qk_layernorm", qk, "has QK-norm"),
+                      ("shared_expert_intermediate_size", not shared, "has no shared expert")],
+        "mixtral": [("attention_bias", not bias, "has no Q/K/V bias"), ("qk_layernorm", not qk, "has no QK-norm"),
+                    ("shared_expert_intermediate_size", not shared, "has no shared expert"),
+                    ("num_experts", is_moe(model), "has experts"),
+                    ("norm_topk_prob", model.norm_topk_prob, "always renormalises the top-k weights"),
+                    ("mlp_only_layers", all(moe_layer_pattern(model)), "has experts in every layer")],
+    }[family]
+    for key, fits, what in checks:
+        if not fits:
+            raise ConfigError(f"model.{key}={getattr(model, key)!r}: the {family} family {what}, so this model "
+                              f"cannot be exported as {family}; set model.model_type to a family that computes it")
     return family
+
+
+def _moe_config_fields(model: ModelConfig, family: str) -> dict:
+    """The MoE fields of an exported config.json."""
+    if family == "mixtral":
+        return dict(num_local_experts=model.num_experts, num_experts_per_tok=model.num_experts_per_tok,
+                    intermediate_size=expert_ffn_size(model), router_aux_loss_coef=model.moe_aux_loss_coeff,
+                    router_jitter_noise=0.0)
+    fields = dict(num_experts=model.num_experts or 0, num_experts_per_tok=model.num_experts_per_tok,
+                  moe_intermediate_size=expert_ffn_size(model), norm_topk_prob=model.norm_topk_prob,
+                  decoder_sparse_step=model.decoder_sparse_step, mlp_only_layers=list(model.mlp_only_layers or []),
+                  router_aux_loss_coef=model.moe_aux_loss_coeff)
+    if family == "qwen2_moe":
+        fields.update(shared_expert_intermediate_size=shared_expert_size(model), qkv_bias=model.attention_bias)
+    return fields
 
 
 def export_config(model: ModelConfig, dtype: torch.dtype):
@@ -323,19 +402,49 @@ def export_config(model: ModelConfig, dtype: torch.dtype):
             from megacritic.config import LLAMA3_ROPE_CONSTANTS
             rope.update({"rope_type": "llama3", "factor": float(model.rope_scaling["factor"]),
                          **LLAMA3_ROPE_CONSTANTS})
-        cfg = getattr(transformers, f"{FAMILIES[family]}Config")(
+        fields = dict(
             vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.intermediate_size,
             num_hidden_layers=model.num_hidden_layers, num_attention_heads=model.num_attention_heads,
             num_key_value_heads=model.num_key_value_heads, max_position_embeddings=model.max_position_embeddings,
             rms_norm_eps=model.rms_norm_eps, tie_word_embeddings=model.tie_word_embeddings, rope_parameters=rope)
+        if family in MOE_MODEL_TYPES:
+            fields.update(_moe_config_fields(model, family))
+        cfg = getattr(transformers, f"{FAMILIES[family]}Config")(**fields)
         if "head_dim" in _family_fields(cfg) or head_dim(model) != model.hidden_size // model.num_attention_heads:
             cfg.head_dim = head_dim(model)
+    if not hasattr(transformers, f"{FAMILIES[family]}ForTokenClassification"):
+        raise ConfigError(f"model.model_type={family!r}: this transformers ({transformers.__version__}) has no "
+                          f"{FAMILIES[family]}ForTokenClassification to load an exported critic; upgrade transformers")
     cfg.architectures = [f"{FAMILIES[family]}ForTokenClassification"]
     cfg.num_labels = 1
     cfg.token_classification_bias = True  # our value head has a bias
     cfg.classifier_dropout = 0.0  # the critic trains without dropout
     cfg.dtype = dtype
     return cfg
+
+
+def _gather_expert(name: str, local: torch.Tensor, model: ModelConfig) -> list[tuple[str, list[torch.Tensor]]]:
+    """Routed-expert parameter ``name`` (local expert index) of every EP rank: (its name with the global expert
+    index, its pieces on the expert TP ranks). Collective over this rank's expert TP and EP groups."""
+    from megatron.core import parallel_state as mpu
+    etp, ep = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
+    pieces = torch.stack([local])
+    if etp > 1:
+        parts = [torch.empty_like(local) for _ in range(etp)]
+        dist.all_gather(parts, local.contiguous(), group=mpu.get_expert_tensor_parallel_group())
+        pieces = torch.stack(parts)
+    per_rank = [pieces]
+    if ep > 1:
+        per_rank = [torch.empty_like(pieces) for _ in range(ep)]
+        dist.all_gather(per_rank, pieces, group=mpu.get_expert_model_parallel_group())
+    parts = name.split(".")
+    at = parts.index("local_experts") + 1
+    local_index, per_ep = int(parts[at]), model.num_experts // ep
+    out = []
+    for r, stacked in enumerate(per_rank):
+        parts[at] = str(r * per_ep + local_index)
+        out.append((".".join(parts), list(stacked.unbind(0))))
+    return out
 
 
 @torch.no_grad()
@@ -359,18 +468,30 @@ def export_hf(chunks: list, model: ModelConfig, out_dir: str | Path, dtype: torc
     device = next(chunks[0].parameters()).device
     dtype = dtype or next(chunks[0].parameters()).dtype
 
-    # 1. This stage's full tensors, gathered over its TP group.
+    # 1. This stage's full tensors, gathered over its TP group; routed experts over expert TP, then EP (the
+    #    writer is the first rank of its stage, so it is also the first expert replica).
     tensors: dict[str, torch.Tensor] = {}
-    if first_replica:
-        for chunk in chunks:
-            for name, param in chunk.named_parameters():
-                pieces = [param.data]
-                if tp > 1:
-                    pieces = [torch.empty_like(param.data) for _ in range(tp)]
-                    dist.all_gather(pieces, param.data.contiguous(), group=tp_group)
-                if writer:
-                    for hf_name, t in hf_from_megatron(name, param_layer(chunk, name), pieces, model).items():
-                        tensors[hf_name] = t.to(dtype).contiguous()
+    first_expert_replica = mpu.get_expert_data_parallel_rank() == 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            layer = param_layer(chunk, name)
+            if ".experts.local_experts." in name:
+                if not first_expert_replica:
+                    continue
+                for global_name, pieces in _gather_expert(name, param.data, model):
+                    if writer:
+                        for hf_name, t in hf_from_megatron(global_name, layer, pieces, model).items():
+                            tensors[hf_name] = t.to(dtype).contiguous()
+                continue
+            if not first_replica:
+                continue
+            pieces = [param.data]
+            if tp > 1:
+                pieces = [torch.empty_like(param.data) for _ in range(tp)]
+                dist.all_gather(pieces, param.data.contiguous(), group=tp_group)
+            if writer:
+                for hf_name, t in hf_from_megatron(name, layer, pieces, model).items():
+                    tensors[hf_name] = t.to(dtype).contiguous()
 
     # 2. Every writer's tensor names and shapes, then rank 0 receives and writes stage by stage.
     listing = [(n, tuple(t.shape)) for n, t in tensors.items()] if writer else None

@@ -1,7 +1,9 @@
-"""The value model: Megatron-Core's GPTModel (Llama / Qwen2 / Qwen3 / Mistral family) with a scalar value head.
+"""The value model: Megatron-Core's GPTModel (Llama / Qwen2 / Qwen3 / Mistral family, and their
+mixture-of-experts relatives Qwen2-MoE / Qwen3-MoE / Mixtral) with a scalar value head.
 
 ``build_value_model`` returns this rank's model chunks (one per virtual pipeline stage), with our
-attention and norm plugged in through the layer spec and the value head on the last stage.
+attention and norm plugged in through the layer spec, Megatron's MoELayer on the MoE layers, and the value
+head on the last stage.
 """
 
 from __future__ import annotations
@@ -16,18 +18,71 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (TransformerLayer, TransformerLayerSubmodules,
+                                                         get_transformer_layer_offset)
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from megacritic.config import ModelConfig, head_dim
+from megacritic.config import (ModelConfig, expert_ffn_size, head_dim, is_moe, moe_layer_pattern,
+                               shared_expert_size)
 from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead
+
+# megatron-core 0.16.1 bug: the router's gating matmul tests `te_general_gemm is not None`, but moe_utils
+# defines that name only when Transformer Engine imports, so without TE every router raises NameError.
+# Defining it as absent selects the plain torch.mm path the code already has.
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
+
+
+def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
+    """TransformerConfig fields of the MoE layers, set so that they compute what Hugging Face's Qwen2-MoE /
+    Qwen3-MoE / Mixtral blocks compute."""
+    if not is_moe(model):
+        return {}
+    shared = shared_expert_size(model)
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_layer_freq=moe_layer_pattern(model),
+        moe_ffn_hidden_size=expert_ffn_size(model),
+        moe_router_topk=model.num_experts_per_tok,
+        # HF: softmax over all experts, then top-k (renormalised only with norm_topk_prob). Megatron's
+        # pre-softmax routing is exactly the former; without it, it takes the softmax over the top-k logits,
+        # which equals the renormalised top-k probabilities (and is what Mixtral computes).
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not model.norm_topk_prob,
+        moe_router_topk_scaling_factor=None,
+        # Logits and softmax in float32 whatever the parameter dtype (HF also takes the softmax in float32).
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        # Nothing HF does not do: no z-loss, no input jitter, no capacity (token dropping), no expert bias.
+        moe_z_loss_coeff=None,
+        moe_input_jitter_eps=None,
+        moe_expert_capacity_factor=None,
+        moe_router_enable_expert_bias=False,
+        # Qwen2-MoE's shared expert, its output scaled by sigmoid(x . gate)
+        moe_shared_expert_intermediate_size=shared or None,
+        moe_shared_expert_gate=bool(shared),
+        # SequentialMLP experts: no grouped GEMM (needs Transformer Engine or nv-grouped-gemm), no fused
+        # permutation or router kernels (Transformer Engine).
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
 
 
 def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, sequence_parallel: bool,
-                       dtype: torch.dtype, on_cpu: bool, variable_seq_lengths: bool) -> TransformerConfig:
-    """Megatron's TransformerConfig for a Llama / Qwen2-shaped decoder."""
+                       dtype: torch.dtype, on_cpu: bool, variable_seq_lengths: bool, ep: int = 1,
+                       etp: int | None = None) -> TransformerConfig:
+    """Megatron's TransformerConfig for a Llama / Qwen2-shaped decoder (with MoE layers when
+    model.num_experts is set)."""
     fused = model.use_fused_kernels and not on_cpu
     return TransformerConfig(
         num_layers=model.num_hidden_layers,
@@ -67,9 +122,12 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         # batch_isend_irecv) then lets the two directions' messages match the wrong receives. Plain
         # p2p ops are issued in a fixed even/odd order that pairs them correctly.
         batch_p2p_comm=not (pp == 2 and (vpp or 1) > 1),
-        # megatron-core 0.16 rejects variable_seq_lengths unless this is set, even for dense models.
+        # megatron-core 0.16 rejects variable_seq_lengths unless this is set, even for dense models. For MoE
+        # models it is the dispatcher that scales with expert parallelism; it runs on gloo too (all-to-all
+        # with uneven splits).
         moe_token_dispatcher_type="alltoall",
-        # Megatron's SwiGLU autograd function (scripted) instead of eager chunk / silu / add / mul.
+        **moe_options(model, ep, etp),
+        # Megatron's SwiGLU autograd function (compiled) instead of eager chunk / silu / add / mul.
         bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -82,9 +140,19 @@ def norm_spec(fused: bool) -> ModuleSpec:
     return ModuleSpec(module=RMSNorm, params={"fused": fused})
 
 
-def layer_spec(qk_layernorm: bool = False, fused: bool = False) -> ModuleSpec:
+def moe_spec(shared_expert: bool) -> ModuleSpec:
+    """Megatron's MoELayer: top-k router, SequentialMLP experts (one SwiGLU MLP per local expert) and, with
+    ``shared_expert``, a shared expert with a sigmoid gate."""
+    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp) if shared_expert else None))
+
+
+def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused: bool = False) -> ModuleSpec:
     """A Llama / Qwen2 / Qwen3 decoder layer built from Megatron modules, with our attention and norm
-    (also over each query and key head with ``qk_layernorm``); ``fused``: compiled norms on GPU."""
+    (also over each query and key head with ``qk_layernorm``); ``moe`` replaces the dense MLP; ``fused``:
+    compiled norms on GPU."""
     norm = norm_spec(fused)
     qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
@@ -104,7 +172,7 @@ def layer_spec(qk_layernorm: bool = False, fused: bool = False) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            mlp=moe or ModuleSpec(module=MLP, submodules=MLPSubmodules(
                 linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
         ),
@@ -123,7 +191,11 @@ class ValueModel(GPTModel):
                  vp_stage: int | None):
         layers = get_num_layers_to_build(config, vp_stage=vp_stage)
         fused = config.bias_activation_fusion  # use_fused_kernels on GPU (transformer_config)
-        spec = TransformerBlockSubmodules(layer_specs=[layer_spec(model.qk_layernorm, fused)] * layers,
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        dense = layer_spec(model.qk_layernorm, fused=fused)
+        moe = layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0), fused=fused)
+        pattern = moe_layer_pattern(model)[offset:offset + layers]
+        spec = TransformerBlockSubmodules(layer_specs=[moe if p else dense for p in pattern],
                                           layer_norm=norm_spec(fused))
         # Llama 3 RoPE scaling: Megatron implements HF's llama3 formula with its constants fixed to
         # Llama 3.1's (config validation accepts no other values); only the factor is passed.

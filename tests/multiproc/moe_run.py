@@ -1,0 +1,76 @@
+"""Mixture-of-experts models under one (TP, EP) layout: import, values, export, three training steps.
+
+    torchrun --nproc_per_node N tests/multiproc/moe_run.py OUT_DIR MODELS.json [dotted.key=value ...]
+
+MODELS.json maps a name to [model folder, value_head_init, [extra dotted overrides], whether to checkpoint].
+For each model: import it (model.path), compute values on a batch, export (OUT_DIR/<name>/import), train
+three optimizer steps (three mini-batches of one update_critic call), compute values again, export
+(OUT_DIR/<name>/trained) and, if asked, save a checkpoint, which a fresh worker loads and computes the values
+from once more. Rank 0 writes OUT_DIR/results.json with the batch, the values, the metrics and the routers'
+weights before and after training (to check model.freeze_moe_router).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megacritic import CriticWorker, load_config
+from megacritic.data import SyntheticRollouts
+
+# 12 rollouts: three mini-batches of 4 = three optimizer steps; micro-batches of 2 rollouts, packed.
+BASE = ["model.dtype=float32", "data.rollouts_per_step=12", "ppo_mini_batch_size=4",
+        "ppo_micro_batch_size_per_gpu=2", "data.prompt_length=[3,9]", "data.response_length=[2,12]",
+        "shuffle=false", "optim.lr=1e-2", "optim.clip_grad=1.0", "cliprange_value=0.2"]
+
+
+def _router_sum(worker) -> float:
+    """Sum of every router weight of the model (over pipeline stages, for a freeze check)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for chunk in worker.critic.model:
+        for name, param in chunk.module.named_parameters():
+            if name.endswith("mlp.router.weight"):
+                total += param.detach().double().abs().sum().cpu()
+    return float(total)
+
+
+def run(out: Path, models: dict, overrides: list[str]) -> dict:
+    results = {}
+    for name, (folder, head_init, extra, with_checkpoint) in models.items():
+        config = load_config(BASE + [f"model.path={folder}", f"model.value_head_init={head_init}"] + extra
+                             + overrides)
+        worker = CriticWorker(config)
+        worker.init_model()
+        batch = SyntheticRollouts(config).batch(0)
+        values = worker.compute_values(batch)
+        worker.export_hf(str(out / name / "import"))
+        routers_before = _router_sum(worker)
+        # old values that differ from the predictions, so the clipped branch of the loss is exercised
+        batch["values"] = values + 0.3 * torch.sin(torch.arange(values.numel()).reshape(values.shape).float())
+        metrics = worker.update_critic(batch)
+        after = worker.compute_values(batch)
+        worker.export_hf(str(out / name / "trained"))
+        routers_after = _router_sum(worker)
+        reloaded = None
+        if with_checkpoint:
+            saved = worker.save_checkpoint(str(out / name / "checkpoints"), 1, {})
+            worker.close()
+            worker = CriticWorker(config)
+            worker.init_model()
+            worker.load_checkpoint(saved)
+            reloaded = worker.compute_values(batch).tolist()
+        worker.close()
+        results[name] = {key: batch[key].tolist() for key in ("input_ids", "attention_mask", "position_ids")}
+        results[name].update(values=values.tolist(), values_after=after.tolist(), reloaded=reloaded,
+                             metrics=metrics,
+                             routers=[routers_before, routers_after], seed=config.megatron.seed)
+    return results
+
+
+if __name__ == "__main__":
+    out_dir = Path(sys.argv[1])
+    result = run(out_dir, json.loads(Path(sys.argv[2]).read_text()), sys.argv[3:])
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (out_dir / "results.json").write_text(json.dumps(result))
