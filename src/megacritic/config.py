@@ -98,7 +98,12 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Model chunks per pipeline rank (interleaved schedule); None or 1 for none."""
     context_parallel_size: int = 1
-    """Context parallelism; only 1 is supported so far."""
+    """Context parallelism: each packed rollout is split over this many ranks (2 x CP chunks, rank r
+    holding chunks r and 2 x CP - 1 - r), for long sequences whose activations do not fit one GPU. Needs
+    model.use_remove_padding=true. Each attention layer all-gathers the keys and values of the whole
+    micro-batch from its CP group. Token budgets stay per GPU: a micro-batch holds up to CP x
+    ppo_max_token_len_per_gpu (forward_max_token_len_per_gpu) tokens, as in verl. World size = TP x PP x
+    CP x DP."""
     sequence_parallel: bool = True
     """Sequence parallelism; takes effect whenever tensor_model_parallel_size > 1."""
     use_distributed_optimizer: bool = True
@@ -317,8 +322,11 @@ def validate(config: CriticConfig) -> None:
     tp, pp, vpp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.virtual_pipeline_model_parallel_size
     _positive("megatron.tensor_model_parallel_size", tp)
     _positive("megatron.pipeline_model_parallel_size", pp)
-    if mg.context_parallel_size != 1:
-        _fail("megatron.context_parallel_size", mg.context_parallel_size, "context parallelism is not supported yet; use 1")
+    cp = mg.context_parallel_size
+    _positive("megatron.context_parallel_size", cp)
+    if cp > 1 and not m.use_remove_padding:
+        _fail("megatron.context_parallel_size", cp, "context parallelism splits packed micro-batches: set "
+              "model.use_remove_padding=true (or context_parallel_size=1)")
     if m.num_attention_heads % tp:
         _fail("megatron.tensor_model_parallel_size", tp,
               f"must divide model.num_attention_heads ({m.num_attention_heads})")
