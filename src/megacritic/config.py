@@ -205,7 +205,8 @@ class CriticConfig:
     use_dynamic_bsz: bool = False
     """Form micro-batches by a token budget (Karmarkar-Karp balanced) instead of a fixed count."""
     ppo_max_token_len_per_gpu: Optional[int] = None
-    """Token budget of a training micro-batch per GPU (use_dynamic_bsz)."""
+    """Token budget of a training micro-batch per GPU (use_dynamic_bsz); with context parallelism a
+    micro-batch holds up to megatron.context_parallel_size times as many, 1/CP of them on each GPU."""
     forward_max_token_len_per_gpu: Optional[int] = None
     """Token budget of a compute_values micro-batch; defaults to ppo_max_token_len_per_gpu."""
     ppo_epochs: int = 1
@@ -425,9 +426,10 @@ def validate_layout(config: CriticConfig, world_size: int) -> int:
     model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
     if world_size % model_parallel:
         raise ConfigError(
-            f"world size {world_size} is not divisible by tensor x pipeline x context parallel sizes "
-            f"({mg.tensor_model_parallel_size} x {mg.pipeline_model_parallel_size} x {mg.context_parallel_size}"
-            f" = {model_parallel}); change megatron.* or the number of processes")
+            f"world size {world_size} is not divisible by megatron.tensor_model_parallel_size x "
+            f"megatron.pipeline_model_parallel_size x megatron.context_parallel_size ({mg.tensor_model_parallel_size}"
+            f" x {mg.pipeline_model_parallel_size} x {mg.context_parallel_size} = {model_parallel}); change them or "
+            f"the number of processes")
     dp = world_size // model_parallel
     if config.ppo_mini_batch_size % dp:
         _fail("ppo_mini_batch_size", config.ppo_mini_batch_size,

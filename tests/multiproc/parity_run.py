@@ -49,7 +49,8 @@ def run(overrides, modes=DEFAULT_MODES):
         batch["values"] = values + 0.3 * torch.sin(torch.arange(values.numel()).reshape(values.shape).float())
         metrics = worker.update_critic(batch)
         after = worker.compute_values(batch)
-        out[mode] = {"values": values.tolist(), "values_after": after.tolist(), "metrics": metrics}
+        out[mode] = {"values": values.tolist(), "values_after": after.tolist(), "metrics": metrics,
+                     "cp": worker.layout.cp}
         worker.close()
     return out
 
