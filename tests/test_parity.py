@@ -28,7 +28,7 @@ LAYOUTS = {
     "tp1_pp2_vpp2": (2, ["megatron.pipeline_model_parallel_size=2",
                          "megatron.virtual_pipeline_model_parallel_size=2"]),
     "tp2_cp2": (4, [CP2, "megatron.tensor_model_parallel_size=2"], ("dynamic",)),  # with sequence parallel
-    "cp2_dp2": (4, [CP2], ("dynamic", "fixed_packed")),
+    "cp2_dp2": (4, [CP2], ("dynamic",)),
     "pp2_vpp2_cp2": (4, [CP2, "megatron.pipeline_model_parallel_size=2",
                          "megatron.virtual_pipeline_model_parallel_size=2"], ("dynamic",)),
 }
