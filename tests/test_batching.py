@@ -1,5 +1,5 @@
-"""Tests for megacritic.batching: micro-batch tensors (padded and packed THD layouts, value positions)
-and planning."""
+"""Tests for megacritic.batching: micro-batch tensors (padded and packed THD layouts, value positions),
+the context-parallel split, and planning."""
 
 import threading
 
@@ -8,7 +8,8 @@ import torch
 from tensordict import TensorDict
 
 from megacritic.batch import BatchError, rollouts_from_batch
-from megacritic.batching import MicroBatch, build_micro_batch, plan_micro_batches
+from megacritic.batching import (MicroBatch, build_micro_batch, context_parallel_split, pack_length,
+                                 plan_micro_batches)
 from megacritic.losses import token_weights
 
 VOCAB = 1000
@@ -342,8 +343,6 @@ def test_build_micro_batch_device_cpu():
             assert mb.packed.cu_seqlens_q.device.type == "cpu"
 
 
-# ---------------------------------------------------------------- plan_micro_batches
-
 def identity(x):
     return x
 
@@ -352,6 +351,110 @@ def assert_each_row_once(parts, n):
     flat = [i for p in parts for i in p]
     assert sorted(flat) == list(range(n))
 
+
+# ---------------------------------------------------------------- context parallelism
+
+
+def test_context_parallel_split_hand_computed():
+    # rollouts of 8 and 4 tokens, CP=2: chunks of 2 and 1; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    cu = torch.tensor([0, 8, 12])
+    take0, att0 = context_parallel_split(cu, 2, 0)
+    take1, att1 = context_parallel_split(cu, 2, 1)
+    assert take0.tolist() == [0, 1, 6, 7, 8, 11]
+    assert take1.tolist() == [2, 3, 4, 5, 9, 10]
+    # rank 0's query chunks [0,1], [6,7], [8], [11] attend to key prefixes of 2, 8, 1 and 4 tokens
+    assert att0["chunk_cu_q"].tolist() == [0, 2, 4, 5, 6]
+    assert att0["chunk_cu_kv"].tolist() == [0, 2, 10, 11, 15]
+    assert (att0["max_chunk_q"], att0["max_chunk_kv"]) == (2, 8)
+    gathered = torch.cat([take0, take1])  # what the all-gather concatenates, rank by rank
+    assert gathered[att0["kv_index"]].tolist() == [0, 1, *range(8), 8, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_context_parallel_split_covers_the_pack_with_mirrored_chunks(cp):
+    gen = torch.Generator().manual_seed(cp)
+    spans = (torch.randint(1, 6, (7,), generator=gen) * 2 * cp).tolist()
+    cu = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
+    splits = [context_parallel_split(cu, cp, r) for r in range(cp)]
+    takes = [t for t, _ in splits]
+    assert len({len(t) for t in takes}) == 1  # every rank holds the same number of tokens
+    assert torch.equal(torch.cat(takes).sort().values, torch.arange(int(cu[-1])))  # each token once
+    gathered = torch.cat(takes)
+    for r, (take, att) in enumerate(splits):
+        expected = []
+        for start, span in zip(cu[:-1].tolist(), spans):
+            c = span // (2 * cp)
+            expected += [*range(start + r * c, start + (r + 1) * c),
+                         *range(start + (2 * cp - 1 - r) * c, start + (2 * cp - r) * c)]
+        assert take.tolist() == expected
+        cq, ck = att["chunk_cu_q"].tolist(), att["chunk_cu_kv"].tolist()
+        assert cq[-1] == len(take) and len(cq) == len(ck) == 2 * len(spans) + 1
+        for i in range(len(cq) - 1):
+            queries = take[cq[i]:cq[i + 1]]
+            keys = gathered[att["kv_index"][ck[i]:ck[i + 1]]]
+            start = max(a for a in cu[:-1].tolist() if a <= int(queries[0]))
+            # keys: the rollout from its start up to the chunk's end, so the chunk is the last rows of its
+            # keys (the bottom-right causal alignment the attention uses)
+            assert torch.equal(keys, torch.arange(start, int(queries[-1]) + 1))
+            assert torch.equal(keys[-len(queries):], queries)
+
+
+@pytest.mark.parametrize("cp,seq_multiple", [(2, 1), (2, 2), (3, 1), (3, 4)])
+def test_build_micro_batch_context_parallel_split_and_unsplit(cp, seq_multiple):
+    """Each CP rank's share, put back together, is the pack with every rollout padded to a multiple of
+    2 x CP; the values each rank reads, summed over ranks, are those of the unsplit micro-batch."""
+    gen = torch.Generator().manual_seed(10 * cp + seq_multiple)
+    P, R = 7, 6
+    pl, rl = random_lengths(gen, 9, P, R)  # odd lengths, lengths not divisible by 2 x CP, an empty response
+    td, ro = make_rollouts(pl, rl, P, R, seed=cp)
+    weights = token_weights(ro.response_mask, "seq-mean-token-mean")
+    rows = [5, 0, 3, 8, 1]
+    lens = [pl[i] + rl[i] for i in rows]
+    ref = build_micro_batch(ro, rows, packed=True, seq_multiple=seq_multiple, weights=weights)
+    mbs = [build_micro_batch(ro, rows, packed=True, seq_multiple=seq_multiple, weights=weights,
+                             cp_size=cp, cp_rank=r) for r in range(cp)]
+    cu = mbs[0].packed.cu_seqlens_q.long()  # the whole pack's rollouts (and trailing dummy)
+    total = int(cu[-1])
+    assert total == pack_length(torch.tensor(lens), seq_multiple, cp)
+    assert all(torch.equal(mb.packed.cu_seqlens_q, mbs[0].packed.cu_seqlens_q) for mb in mbs)
+    for mb in mbs:
+        assert mb.input_ids.shape == (1, total // cp) and (total // cp) % seq_multiple == 0
+    # unsplit the tokens and positions
+    ids, pos = torch.full((total,), -1), torch.full((total,), -1)
+    for r, mb in enumerate(mbs):
+        take, _ = context_parallel_split(cu, cp, r)
+        ids[take], pos[take] = mb.input_ids[0], mb.position_ids[0]
+    spans = (cu[1:] - cu[:-1]).tolist()
+    for k, i in enumerate(rows):
+        start, span = int(cu[k]), spans[k]
+        assert span % (2 * cp) == 0 and lens[k] <= span < lens[k] + 2 * cp
+        assert torch.equal(ids[start:start + lens[k]], real_tokens(td, i))
+        assert torch.all(ids[start + lens[k]:start + span] == 0)  # fillers only after the real tokens
+    assert torch.equal(pos, torch.cat([torch.arange(n) for n in spans]))  # positions restart per rollout
+    # values: a causal model over the whole pack, read by each rank at its own positions, summed over ranks
+    whole = torch.cat([prefix_hash_compact(ids[a:e][None])[0] for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    got = sum(whole[context_parallel_split(cu, cp, r)[0]][mb.value_index] * mb.value_mask
+              for r, mb in enumerate(mbs))
+    expected = simulated_output(ref).reshape(-1)[ref.value_index] * ref.value_mask
+    assert torch.equal(got, expected)
+    # every response token is counted by exactly one rank (the masks are 0/1 on every rank)
+    for key in ("value_mask", "loss_mask", "weights"):
+        assert torch.equal(sum(getattr(mb, key) for mb in mbs), getattr(ref, key)), key
+    assert all(torch.equal(mb.values, ref.values) for mb in mbs)
+
+
+def test_build_micro_batch_context_parallel_pad_to():
+    _, ro = make_rollouts([2, 3], [3, 2], 3, 3)  # lengths 5 and 5: spans of 8 with CP=2 and 6 with CP=3
+    mb = build_micro_batch(ro, [0, 1], packed=True, cp_size=2, cp_rank=1, pad_to=(1, 21))
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 8, 16, 24]  # 21 rounded up to 2 x CP
+    assert mb.input_ids.shape == (1, 12)
+    # sequence parallelism: each rank's share a multiple of TP (here 3), so the pack a multiple of lcm(6, 9)
+    mb = build_micro_batch(ro, [0, 1], packed=True, cp_size=3, cp_rank=0, seq_multiple=3)
+    assert mb.packed.cu_seqlens_q.tolist() == [0, 6, 12, 18]
+    assert mb.input_ids.shape == (1, 6)
+
+
+# ---------------------------------------------------------------- plan_micro_batches
 
 def test_plan_fixed_size():
     parts = plan_micro_batches([5, 3, 9, 1, 2, 7], micro_batch_size=2, max_tokens=None, multiple_of=1,

@@ -145,8 +145,11 @@ INVALID = [
     pytest.param(["optim.lr=1e-5", "optim.min_lr=1e-4"], "optim.min_lr", id="min-lr-above-lr"),
     pytest.param(["optim.lr_warmup_steps_ratio=2"], "optim.lr_warmup_steps_ratio", id="warmup-ratio-above-1"),
     pytest.param(["optim.clip_grad=-1"], "optim.clip_grad", id="negative-clip-grad"),
-    pytest.param(["megatron.context_parallel_size=2"],
-                 "megatron.context_parallel_size", id="context-parallel-unsupported"),
+    pytest.param(["megatron.context_parallel_size=2", "model.use_remove_padding=false"],
+                 "megatron.context_parallel_size", id="context-parallel-without-packing"),
+    pytest.param(["megatron.context_parallel_size=0"], "megatron.context_parallel_size", id="context-parallel-zero"),
+    pytest.param(["megatron.context_parallel_size=2", "model.num_experts=4", "model.num_experts_per_tok=2",
+                  "model.moe_intermediate_size=32"], "megatron.context_parallel_size", id="context-parallel-with-moe"),
     pytest.param(["model.path=/tmp/some-hf-model"], "model.path", id="model-path-unsupported"),
     pytest.param(["megatron.param_offload=true", "megatron.use_distributed_optimizer=false"], "megatron.param_offload",
                  id="param-offload-without-distributed-optimizer"),
@@ -189,6 +192,31 @@ def test_layout_world_size_not_divisible_by_model_parallel():
     assert "megatron." in message
 
 
+def test_context_parallel_without_packing_names_the_fix():
+    message = _raises_naming("model.use_remove_padding",
+                             BASE + ["megatron.context_parallel_size=2", "model.use_remove_padding=false"])
+    assert "use_remove_padding=true" in message
+
+
+@pytest.mark.parametrize("world_size", [2, 6, 12])
+def test_layout_world_size_not_divisible_by_tp_x_pp_x_cp(world_size):
+    config = load_config(BASE + ["megatron.tensor_model_parallel_size=2", "megatron.pipeline_model_parallel_size=2",
+                                 "megatron.context_parallel_size=2"])
+    with pytest.raises(ConfigError) as info:
+        validate_layout(config, world_size)
+    for key in ("megatron.tensor_model_parallel_size", "megatron.pipeline_model_parallel_size",
+                "megatron.context_parallel_size"):
+        assert key in str(info.value)
+
+
+def test_layout_mini_batch_not_divisible_by_dp_with_context_parallel():
+    # world 12 / (cp 2 x tp 2) = dp 3 does not divide 16
+    config = load_config(BASE + ["megatron.context_parallel_size=2", "megatron.tensor_model_parallel_size=2",
+                                 "ppo_micro_batch_size_per_gpu=1"])
+    with pytest.raises(ConfigError, match="ppo_mini_batch_size"):
+        validate_layout(config, 12)
+
+
 def test_layout_mini_batch_not_divisible_by_dp():
     config = load_config(BASE + ["ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=1", "data.rollouts_per_step=48"])
     with pytest.raises(ConfigError, match="ppo_mini_batch_size"):
@@ -228,6 +256,12 @@ def test_layout_vpp_needs_micro_batch_count_multiple_of_pp():
       "megatron.virtual_pipeline_model_parallel_size=2", "ppo_mini_batch_size=16",
       "ppo_micro_batch_size_per_gpu=4"], 4, 2),
     (["use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=512", "ppo_micro_batch_size_per_gpu=null"], 4, 4),
+    (["megatron.context_parallel_size=2", "ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=4"], 8, 4),
+    (["megatron.context_parallel_size=2", "megatron.tensor_model_parallel_size=2",
+      "megatron.pipeline_model_parallel_size=2", "ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=4"], 16, 2),
+    (["model.num_hidden_layers=4", "megatron.context_parallel_size=2", "megatron.pipeline_model_parallel_size=2",
+      "megatron.virtual_pipeline_model_parallel_size=2", "ppo_mini_batch_size=16",
+      "ppo_micro_batch_size_per_gpu=4"], 8, 2),
 ])
 def test_layout_valid_returns_dp(overrides, world_size, dp):
     config = load_config(BASE + overrides)

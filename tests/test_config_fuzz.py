@@ -17,7 +17,7 @@ BAD = {
     "megatron.tensor_model_parallel_size": [0, -2, 3, 5],  # 3 and 5 divide neither 4 heads nor 2 kv heads
     "megatron.pipeline_model_parallel_size": [0, -1, 3],  # 3 does not divide 2 layers
     "megatron.virtual_pipeline_model_parallel_size": [0, -1],
-    "megatron.context_parallel_size": [2, 4],
+    "megatron.context_parallel_size": [0, -2],
     "megatron.nccl_timeout": [0, -10],
     "optim.lr": [0, -1e-5, "fast"],
     "optim.min_lr": [-1.0, 1.0],  # above the lr

@@ -38,6 +38,48 @@ def test_varlen_attention_matches_per_sequence_sdpa():
     assert varlen is not None and _rel(fast, exact) < 1e-2
 
 
+def test_context_parallel_varlen_attention_matches_exact_attention():
+    """The context-parallel attention's local math on the GPU path (varlen_attn with fewer queries than keys
+    per chunk, causal diagonal at the bottom right) against exact single-rank attention. Two CP ranks are
+    simulated in one process: the all-gather is replaced by the whole pack's keys and values in rank order."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megacritic.batching import context_parallel_split, round_up
+    from megacritic.config import ModelConfig
+    from megacritic.model import layers
+    from megacritic.model.value_model import transformer_config
+
+    config = transformer_config(ModelConfig(), tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.bfloat16,
+                                on_cpu=False, variable_seq_lengths=False, cp=2)
+    attn = layers.SDPAttention(config, 1, AttnMaskType.causal, "self")
+    cp = 2
+    spans = [round_up(n, 2 * cp) for n in (301, 17, 1025, 5, 600)]  # odd rollouts padded to 2 x CP
+    cu = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
+    t = int(cu[-1])
+    q = torch.randn(t, 14, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(t, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu32 = cu.to(torch.int32).cuda()
+    whole = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=max(spans),
+                            max_seqlen_kv=max(spans))
+    varlen, layers._varlen_attn = layers._varlen_attn, None
+    try:
+        exact = attn(q.float()[:, None], k.float()[:, None], v.float()[:, None], None,
+                     packed_seq_params=whole)[:, 0]  # one rank, exact per-rollout SDPA in float32
+    finally:
+        layers._varlen_attn = varlen
+    assert varlen is not None
+    splits = [context_parallel_split(cu, cp, r) for r in range(cp)]
+    order = torch.cat([take for take, _ in splits]).cuda()
+    kv = torch.cat([k, v], dim=1)[order]  # every rank's keys and values, as the all-gather returns them
+    for take, layout in splits:
+        params = layers.ContextParallelPack(
+            qkv_format="sbhd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=max(spans),
+            max_seqlen_kv=max(spans), **{key: x.cuda() if torch.is_tensor(x) else x for key, x in layout.items()})
+        local = attn.attend_chunks(q[take.cuda()], kv, params)
+        assert _rel(local, exact[take.cuda()]) < 1e-2  # bf16 vs float32, as the single-rank varlen test
+
+
 def test_bf16_packed_and_padded_agree():
     from megacritic import CriticWorker, load_config
     from megacritic.data import SyntheticRollouts

@@ -2,7 +2,8 @@
 the same values, losses and gradient norms as one process. Each layout is one torchrun launch
 (tests/multiproc/parity_run.py), run once for the whole module; fixed-size padded micro-batches and
 token-budget packed (THD) micro-batches are both compared against the single-process padded run, so the
-test also shows packed and padded paths agree.
+test also shows packed and padded paths agree. Context-parallel layouts need packing: they run packed
+modes only (the rollouts have odd lengths and lengths that 2 x CP does not divide).
 """
 
 import json
@@ -15,7 +16,9 @@ import torch
 
 SCRIPT = Path(__file__).parent / "multiproc" / "parity_run.py"
 
-# name: (processes, overrides)
+MODES = ("fixed", "dynamic")  # parity_run.py's default modes
+CP2 = "megatron.context_parallel_size=2"
+# name: (processes, overrides[, modes])
 LAYOUTS = {
     "tp1_pp1_dp1": (1, []),
     "tp2_pp1_dp1": (2, ["megatron.tensor_model_parallel_size=2"]),
@@ -24,12 +27,18 @@ LAYOUTS = {
     "tp2_pp2_dp1": (4, ["megatron.tensor_model_parallel_size=2", "megatron.pipeline_model_parallel_size=2"]),
     "tp1_pp2_vpp2": (2, ["megatron.pipeline_model_parallel_size=2",
                          "megatron.virtual_pipeline_model_parallel_size=2"]),
+    "tp2_cp2": (4, [CP2, "megatron.tensor_model_parallel_size=2"], ("dynamic",)),  # with sequence parallel
+    "cp2_dp2": (4, [CP2], ("dynamic",)),
+    "pp2_vpp2_cp2": (4, [CP2, "megatron.pipeline_model_parallel_size=2",
+                         "megatron.virtual_pipeline_model_parallel_size=2"], ("dynamic",)),
 }
+CASES = [pytest.param(layout, mode, id=f"{mode}-{layout}")
+         for layout, (_, _, *modes) in LAYOUTS.items() for mode in (modes[0] if modes else MODES)]
 
 
-def _launch(nproc: int, overrides: list[str], out: Path) -> dict:
+def _launch(nproc: int, overrides: list[str], out: Path, modes=MODES) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(SCRIPT), str(out), *overrides]
+           str(SCRIPT), str(out), f"--modes={','.join(modes)}", *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -39,7 +48,7 @@ def _launch(nproc: int, overrides: list[str], out: Path) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
-    return {name: _launch(n, ov, tmp / f"{name}.json") for name, (n, ov) in LAYOUTS.items()}
+    return {name: _launch(n, ov, tmp / f"{name}.json", *modes) for name, (n, ov, *modes) in LAYOUTS.items()}
 
 
 def _rel(a, b) -> float:
@@ -48,10 +57,10 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["fixed", "dynamic"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout, mode", CASES)
 def test_layout_matches_single_process(results, layout, mode):
     ref, got = results["tp1_pp1_dp1"]["fixed"], results[layout][mode]
+    assert got["cp"] == (2 if CP2 in LAYOUTS[layout][1] else 1)  # the layout really ran
     # float32 arithmetic with reductions in a different order: ~1e-7 relative; 1e-5 leaves room only for
     # rounding, not for a wrong gradient or normalisation.
     assert _rel(got["values"], ref["values"]) < 1e-5

@@ -15,10 +15,20 @@ A micro-batch holds whole rollouts with their padding removed, in one of two lay
 ``value_index`` says where each response token's value is read in the flattened model output: the value
 of response token j of a rollout with p prompt tokens is the output at its position p - 1 + j (the state
 before the token), matching verl's ``values[:, -R-1:-1]``.
+
+Context parallelism (CP > 1, packed only) splits every rollout of the pack into 2 x CP equal chunks; rank r
+holds chunks r and 2 x CP - 1 - r (Megatron's load-balanced layout for causal attention: every rank gets
+one early, cheap chunk and one late, expensive one). Each rollout is first padded to a multiple of 2 x CP
+with filler tokens after its real ones rather than cut into ragged chunks: causal attention never lets a
+real token see a later filler token, so real tokens stay exact, fillers carry no value or loss, and equal
+chunks keep every rank's local pack the same length (which the all-gather of keys and sequence
+parallelism need). A rank reads the values only at the positions it holds: ``value_mask``, ``weights``
+and ``loss_mask`` are zero elsewhere, so sums over the context-parallel group count every token once.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,15 +37,16 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megacritic.batch import BatchError, Rollouts
+from megacritic.model.layers import ContextParallelPack
 from megacritic.partition import fixed_partitions, token_budget_partitions
 
 
 @dataclass
 class MicroBatch:
-    input_ids: Tensor         # [b, s] padded, or [1, t] packed
+    input_ids: Tensor         # [b, s] padded, or [1, t] packed (this rank's t / CP with context parallelism)
     packed: PackedSeqParams | None  # rollout boundaries (cu_seqlens) when packed
     position_ids: Tensor | None  # [1, t] position of each packed token within its rollout (None: padded)
-    value_index: Tensor       # [b, R] index of each response token's value in the flattened output
+    value_index: Tensor       # [b, R] index of each response token's value in this rank's flattened output
     value_mask: Tensor        # [b, R] 1 on real response tokens (0 on padding and dummy rows)
     values: Tensor | None     # [b, R] old values (training only)
     returns: Tensor | None    # [b, R]
@@ -73,12 +84,14 @@ def plan_micro_batches(seq_lens: list[int], *, micro_batch_size: int | None, max
 
 def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_multiple: int = 1,
                       pad_to: tuple[int, int] | None = None, weights: Tensor | None = None,
-                      device=None) -> MicroBatch:
+                      device=None, cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
     """Tensors of one micro-batch from ``rows`` of ``rollouts`` (see module doc).
 
-    ``seq_multiple`` rounds the sequence (padded) or pack (packed) length up, as sequence parallelism needs
-    a multiple of TP. ``pad_to`` = (rows, length) fixes the shape, for pipelines that need equal
-    micro-batch shapes: extra rows are dummies, extra pack length a dummy trailing sequence.
+    ``seq_multiple`` rounds the sequence (padded) or this rank's pack (packed) length up, as sequence
+    parallelism needs a multiple of TP. ``pad_to`` = (rows, length) fixes the shape, for pipelines that
+    need equal micro-batch shapes: extra rows are dummies, extra pack length a dummy trailing sequence
+    (length: of the whole pack, before a context-parallel split). ``cp_size`` > 1 (packed only): this
+    context-parallel rank's share of the pack (module doc).
     """
     sel = torch.tensor(rows, dtype=torch.long)
     p, r, lens = rollouts.prompt_lens[sel], rollouts.response_lens[sel], rollouts.seq_lens[sel]
@@ -93,23 +106,40 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
     value_pos = torch.minimum(p[:, None] - 1 + j[None, :], (lens - 1)[:, None])
     value_mask = (j[None, :] < r[:, None]).to(torch.float32)
     packed_params = position_ids = None
+    owned = None
     if packed:
-        starts = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])
-        total = round_up(int(starts[-1]), seq_multiple)
+        spans = round_up_tensor(lens, 2 * cp_size) if cp_size > 1 else lens  # fillers after each rollout
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), spans.cumsum(0)])
+        multiple = pack_multiple(seq_multiple, cp_size)
+        total = round_up(int(starts[-1]), multiple)
         if pad_to is not None:
-            total = max(total, pad_to[1])
-        ids = torch.zeros(1, total, dtype=torch.long)
-        ids[0, : starts[-1]] = aligned[real]
-        padding = torch.arange(total)[None, :] >= starts[-1]
+            total = max(total, round_up(pad_to[1], multiple))
+        ids = torch.zeros(total, dtype=torch.long)
+        placed = (starts[:-1, None] + positions[None, :])[real]
+        ids[placed] = aligned[real]
+        padding = torch.ones(total, dtype=torch.bool)
+        padding[placed] = False
         cu = starts if total == starts[-1] else torch.cat([starts, torch.tensor([total])])
-        cu = cu.to(torch.int32)
-        max_len = int((cu[1:] - cu[:-1]).max())
-        packed_params = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
-                                        max_seqlen_q=max_len, max_seqlen_kv=max_len)
-        seq_lens = (cu[1:] - cu[:-1]).long()
-        position_ids = torch.arange(total) - torch.repeat_interleave(cu[:-1].long(), seq_lens)
-        position_ids = position_ids[None].to(device) if device is not None else position_ids[None]
+        seq_lens = cu[1:] - cu[:-1]
+        position_ids = torch.arange(total) - torch.repeat_interleave(cu[:-1], seq_lens)
         value_index = starts[:-1, None] + value_pos
+        max_len = int(seq_lens.max())
+        cu32 = cu.to(torch.int32).to(device)
+        pack = dict(qkv_format="sbhd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=max_len,
+                    max_seqlen_kv=max_len)
+        if cp_size > 1:
+            take, attention = context_parallel_split(cu, cp_size, cp_rank)
+            local = torch.full((total,), -1, dtype=torch.long)
+            local[take] = torch.arange(len(take))
+            ids, position_ids, padding = ids[take], position_ids[take], padding[take]
+            owned = local[value_index] >= 0
+            value_index = local[value_index].clamp(min=0)
+            packed_params = ContextParallelPack(**pack, **{k: v.to(device) if torch.is_tensor(v) else v
+                                                          for k, v in attention.items()})
+        else:
+            packed_params = PackedSeqParams(**pack)
+        ids, padding = ids[None], padding[None]
+        position_ids = position_ids[None].to(device) if device is not None else position_ids[None]
     else:
         s = round_up(longest, seq_multiple)
         if pad_to is not None:
@@ -123,9 +153,12 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
     def rows_of(x: Tensor | None) -> Tensor | None:
         return None if x is None else x[sel]
 
+    weights, loss_mask = rows_of(weights), rows_of(rollouts.response_mask) if weights is not None else None
+    if owned is not None:  # a context-parallel rank counts only the values at positions it holds
+        value_mask = value_mask * owned
+        weights, loss_mask = (None if x is None else x * owned for x in (weights, loss_mask))
     fields = dict(value_index=value_index, value_mask=value_mask, values=rows_of(rollouts.values),
-                  returns=rows_of(rollouts.returns), weights=rows_of(weights),
-                  loss_mask=rows_of(rollouts.response_mask) if weights is not None else None)
+                  returns=rows_of(rollouts.returns), weights=weights, loss_mask=loss_mask)
     extra = b - len(rows)  # dummy rows (padded layout with pad_to): they read position 0, with zero weight
     for key, x in fields.items():
         if x is None:
@@ -141,3 +174,60 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def round_up_tensor(n: Tensor, multiple: int) -> Tensor:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def pack_multiple(seq_multiple: int, cp_size: int) -> int:
+    """A whole pack's length must be a multiple of this: 2 x CP equal chunks per rollout (the trailing
+    dummy rollout included), and ``seq_multiple`` dividing each context-parallel rank's share."""
+    if cp_size == 1:
+        return seq_multiple
+    return math.lcm(2 * cp_size, cp_size * seq_multiple)
+
+
+def pack_length(seq_lens: Tensor, seq_multiple: int = 1, cp_size: int = 1) -> int:
+    """Length of the whole pack of rollouts with these lengths (before a context-parallel split)."""
+    spans = round_up_tensor(seq_lens, 2 * cp_size) if cp_size > 1 else seq_lens
+    return round_up(int(spans.sum()), pack_multiple(seq_multiple, cp_size))
+
+
+def context_parallel_split(cu: Tensor, cp_size: int, cp_rank: int) -> tuple[Tensor, dict]:
+    """Split a pack of rollouts (boundaries ``cu``, every length a multiple of 2 x CP) over CP ranks.
+
+    Returns ``take``, the pack positions this rank holds in its local order (per rollout: chunk r, then
+    chunk 2 x CP - 1 - r), and the attention layout of :class:`ContextParallelPack`: each local chunk
+    is a query sequence whose keys are its rollout's tokens from the start up to the chunk's end, read
+    from the rank-major concatenation of every rank's local keys.
+    """
+    bounds = cu.tolist()
+    pieces = {}  # rank -> list of (rollout start, chunk offset, chunk length)
+    for rank in range(cp_size):
+        pieces[rank] = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            c = (end - start) // (2 * cp_size)
+            assert c * 2 * cp_size == end - start, "rollout spans must be multiples of 2 x CP"
+            pieces[rank] += [(start, rank * c, c), (start, (2 * cp_size - 1 - rank) * c, c)]
+
+    def positions(rank):
+        return torch.cat([torch.arange(s + o, s + o + c) for s, o, c in pieces[rank]])
+
+    gathered = torch.cat([positions(rank) for rank in range(cp_size)])  # pack position of each gathered row
+    row_of = torch.empty_like(gathered)
+    row_of[gathered] = torch.arange(len(gathered))  # pack position -> row of the gathered keys
+    mine = pieces[cp_rank]
+    prefix = [o + c for _, o, c in mine]
+    attention = dict(
+        chunk_cu_q=_cumsum([c for _, _, c in mine]),
+        chunk_cu_kv=_cumsum(prefix),
+        kv_index=torch.cat([row_of[s: s + n] for (s, _, _), n in zip(mine, prefix)]),
+        max_chunk_q=max(c for _, _, c in mine),
+        max_chunk_kv=max(prefix),
+    )
+    return positions(cp_rank), attention
+
+
+def _cumsum(lengths: list[int]) -> Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.long).cumsum(0).to(torch.int32)

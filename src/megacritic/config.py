@@ -129,7 +129,12 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: Optional[int] = None
     """Model chunks per pipeline rank (interleaved schedule); None or 1 for none."""
     context_parallel_size: int = 1
-    """Context parallelism; only 1 is supported so far."""
+    """Context parallelism: each packed rollout is split over this many ranks (2 x CP chunks, rank r
+    holding chunks r and 2 x CP - 1 - r), for long sequences whose activations do not fit one GPU. Needs
+    model.use_remove_padding=true. Each attention layer all-gathers the keys and values of the whole
+    micro-batch from its CP group. Token budgets stay per GPU: a micro-batch holds up to CP x
+    ppo_max_token_len_per_gpu (forward_max_token_len_per_gpu) tokens, as in verl. World size = TP x PP x
+    CP x DP."""
     sequence_parallel: bool = True
     """Sequence parallelism; takes effect whenever tensor_model_parallel_size > 1."""
     use_distributed_optimizer: bool = True
@@ -247,7 +252,8 @@ class CriticConfig:
     use_dynamic_bsz: bool = False
     """Form micro-batches by a token budget (Karmarkar-Karp balanced) instead of a fixed count."""
     ppo_max_token_len_per_gpu: Optional[int] = None
-    """Token budget of a training micro-batch per GPU (use_dynamic_bsz)."""
+    """Token budget of a training micro-batch per GPU (use_dynamic_bsz); with context parallelism a
+    micro-batch holds up to megatron.context_parallel_size times as many, 1/CP of them on each GPU."""
     forward_max_token_len_per_gpu: Optional[int] = None
     """Token budget of a compute_values micro-batch; defaults to ppo_max_token_len_per_gpu."""
     ppo_epochs: int = 1
@@ -448,8 +454,14 @@ def validate(config: CriticConfig) -> None:
     tp, pp, vpp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.virtual_pipeline_model_parallel_size
     _positive("megatron.tensor_model_parallel_size", tp)
     _positive("megatron.pipeline_model_parallel_size", pp)
-    if mg.context_parallel_size != 1:
-        _fail("megatron.context_parallel_size", mg.context_parallel_size, "context parallelism is not supported yet; use 1")
+    cp = mg.context_parallel_size
+    _positive("megatron.context_parallel_size", cp)
+    if cp > 1 and not m.use_remove_padding:
+        _fail("megatron.context_parallel_size", cp, "context parallelism splits packed micro-batches: set "
+              "model.use_remove_padding=true (or context_parallel_size=1)")
+    if cp > 1 and is_moe(m):
+        _fail("megatron.context_parallel_size", cp, "context parallelism is not supported with mixture-of-experts "
+              "models (model.num_experts) yet; use 1")
     if m.num_attention_heads % tp:
         _fail("megatron.tensor_model_parallel_size", tp,
               f"must divide model.num_attention_heads ({m.num_attention_heads})")
@@ -553,9 +565,10 @@ def validate_layout(config: CriticConfig, world_size: int) -> int:
     model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
     if world_size % model_parallel:
         raise ConfigError(
-            f"world size {world_size} is not divisible by tensor x pipeline x context parallel sizes "
-            f"({mg.tensor_model_parallel_size} x {mg.pipeline_model_parallel_size} x {mg.context_parallel_size}"
-            f" = {model_parallel}); change megatron.* or the number of processes")
+            f"world size {world_size} is not divisible by megatron.tensor_model_parallel_size x "
+            f"megatron.pipeline_model_parallel_size x megatron.context_parallel_size ({mg.tensor_model_parallel_size}"
+            f" x {mg.pipeline_model_parallel_size} x {mg.context_parallel_size} = {model_parallel}); change them or "
+            f"the number of processes")
     dp = world_size // model_parallel
     expert_parallel = (mg.expert_tensor_parallel_size or mg.tensor_model_parallel_size) * \
         mg.expert_model_parallel_size * mg.pipeline_model_parallel_size

@@ -23,7 +23,7 @@ from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, ge
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megacritic.batch import BatchError, Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch
-from megacritic.batching import MicroBatch, build_micro_batch, plan_micro_batches, round_up
+from megacritic.batching import MicroBatch, build_micro_batch, pack_length, plan_micro_batches, round_up
 from megacritic.config import CriticConfig, moe_layer_pattern
 from megacritic.losses import STAT_KEYS, metrics_from_sums, stack_stats, token_weights, value_loss_and_stats
 from megacritic.partition import reverse_index
@@ -84,6 +84,8 @@ class Layout:
     sequence_parallel: bool
     device: torch.device
     dtype: torch.dtype
+    cp: int = 1  # context-parallel ranks that share each micro-batch (megacritic.batching)
+    cp_rank: int = 0
 
     @property
     def is_last_stage(self) -> bool:
@@ -148,6 +150,10 @@ class MegatronPPOCritic:
         if self.layout.is_last_stage:
             local_values = torch.cat([o["values"][: len(p)] for o, p in zip(outputs, parts)])
             local_values = local_values[reverse_index(parts).to(local_values.device)]
+            if self.layout.cp > 1:
+                # Each context-parallel rank filled the values at the positions it holds and zeros
+                # elsewhere: their sum is exact.
+                dist.all_reduce(local_values, group=mpu.get_context_parallel_group())
             dist.all_gather_into_tensor(values, local_values.contiguous(), group=mpu.get_data_parallel_group())
         self._broadcast_from_last_stage(values)
         self.operation = "idle"
@@ -293,6 +299,8 @@ class MegatronPPOCritic:
             budget = cfg.ppo_max_token_len_per_gpu
             if forward_only:
                 budget = cfg.forward_max_token_len_per_gpu or budget
+            # As in verl: the budget is per GPU, and a micro-batch is shared by the CP ranks.
+            budget *= layout.cp
             size = None
         else:
             budget = None
@@ -311,14 +319,16 @@ class MegatronPPOCritic:
         if layout.fixed_micro_batch_shape:
             lens = local.seq_lens
             if packed:
-                pad_to = (1, round_up(max(int(lens[p].sum()) for p in parts), seq_multiple))
+                pad_to = (1, max(pack_length(lens[p], seq_multiple, layout.cp) for p in parts))
             else:
                 pad_to = (max(len(p) for p in parts), round_up(int(lens.max()), seq_multiple))
         micro_batches = [build_micro_batch(local, p, packed=packed, seq_multiple=seq_multiple, pad_to=pad_to,
-                                           weights=weights, device=layout.device) for p in parts]
+                                           weights=weights, device=layout.device, cp_size=layout.cp,
+                                           cp_rank=layout.cp_rank) for p in parts]
         self._data_time = time.perf_counter() - start
         shape_b = max(mb.input_ids.shape[0] for mb in micro_batches)
-        shape_s = max(mb.input_ids.shape[1] for mb in micro_batches)
+        # Megatron's fixed pipeline shapes divide the sequence by CP: give it the whole pack's length.
+        shape_s = max(mb.input_ids.shape[1] for mb in micro_batches) * layout.cp
         iterators = [iter(micro_batches) for _ in self.model]
         outputs = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, forward_only),
@@ -393,11 +403,12 @@ class MegatronPPOCritic:
                            group=mpu.get_pipeline_model_parallel_group())
 
     def _reduce_stats(self, outputs: list[dict]) -> torch.Tensor:
-        """Stat sums of the whole mini-batch on every rank: over micro-batches, DP ranks, then PP."""
+        """Stat sums of the whole mini-batch on every rank: over micro-batches, DP and CP ranks (each CP
+        rank counted only the tokens whose values it holds), then PP."""
         sums = torch.zeros(len(STAT_KEYS), dtype=torch.float64, device=self.layout.device)
         if self.layout.is_last_stage:
             sums = stack_stats(outputs, self.layout.device)
-            dist.all_reduce(sums, group=mpu.get_data_parallel_group())
+            dist.all_reduce(sums, group=mpu.get_data_parallel_group(with_context_parallel=True))
         self._broadcast_from_last_stage(sums)
         return sums
 

@@ -126,6 +126,7 @@ class CriticWorker:
                                       virtual_pipeline_model_parallel_size=vpp,
                                       expert_model_parallel_size=mg.expert_model_parallel_size,
                                       expert_tensor_parallel_size=mg.expert_tensor_parallel_size,
+                                      context_parallel_size=mg.context_parallel_size,
                                       distributed_timeout_minutes=max(1, math.ceil(mg.nccl_timeout / 60)))
         model_parallel_cuda_manual_seed(mg.seed)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
@@ -135,11 +136,11 @@ class CriticWorker:
             world_size=world, rank=dist.get_rank(), tp=tp, pp=mg.pipeline_model_parallel_size, vpp=vpp or 1,
             dp=dp, dp_rank=mpu.get_data_parallel_rank(), sequence_parallel=mg.sequence_parallel and tp > 1,
             device=torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device()),
-            dtype=dtype)
+            dtype=dtype, cp=mg.context_parallel_size, cp_rank=mpu.get_context_parallel_rank())
 
         # 2. Model chunks with our spec, weights from model.path's checkpoint or the seed (identical for every
         #    layout; each rank reads only its shard).
-        tconfig = transformer_config(cfg.model, tp=tp, pp=layout.pp, vpp=vpp,
+        tconfig = transformer_config(cfg.model, tp=tp, pp=layout.pp, vpp=vpp, cp=layout.cp,
                                      sequence_parallel=layout.sequence_parallel, dtype=dtype, on_cpu=on_cpu,
                                      variable_seq_lengths=layout.variable_seq_lengths,
                                      ep=mg.expert_model_parallel_size, etp=mg.expert_tensor_parallel_size)

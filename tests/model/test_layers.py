@@ -1,4 +1,5 @@
-"""megacritic.model.layers against float64 references: SDPAttention, RMSNorm, ValueHead.
+"""megacritic.model.layers against float64 references: SDPAttention (also context-parallel, with simulated
+ranks), RMSNorm, ValueHead.
 
 Building these modules needs only a Megatron TransformerConfig (no process group, no parallel state).
 """
@@ -118,6 +119,64 @@ def test_sdpa_attention_packed_equals_each_sequence_alone(config, heads, groups)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # each rollout attends only to itself
         ref = _reference_attention(q[a:b, None], k[a:b, None], v[a:b, None]).squeeze(1)
         torch.testing.assert_close(out[a:b].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def simulate_context_parallel(attn, q, k, v, cu, cp):
+    """Run ``attn``'s context-parallel attention for every rank of a simulated CP group of ``cp`` over
+    the pack q [t, heads, d], k/v [t, groups, d] (rollout boundaries ``cu``, multiples of 2 x CP), and put
+    the outputs back in pack order. The all-gather is the rank-major concatenation of every rank's keys
+    and values; autograd through it sums each key's gradient over ranks, as the reduce-scatter does."""
+    from megacritic.batching import context_parallel_split
+    from megacritic.model.layers import ContextParallelPack
+
+    splits = [context_parallel_split(cu, cp, r) for r in range(cp)]
+    order = torch.cat([take for take, _ in splits])
+    kv = torch.cat([k, v], dim=1)[order]  # what every rank's all-gather returns
+    cu32 = cu.to(torch.int32)
+    outs = []
+    for take, layout in splits:
+        params = ContextParallelPack(qkv_format="sbhd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32,
+                                     max_seqlen_q=int((cu[1:] - cu[:-1]).max()),
+                                     max_seqlen_kv=int((cu[1:] - cu[:-1]).max()),
+                                     **{key: x.to(q.device) if torch.is_tensor(x) else x for key, x in layout.items()})
+        outs.append(attn.attend_chunks(q[take.to(q.device)], kv, params))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order))
+    return torch.cat(outs)[inverse.to(q.device)]
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("heads,groups", [(4, 2), (4, 4)])
+def test_context_parallel_attention_matches_causal_attention(config, cp, heads, groups):
+    """Output and gradients of q, k and v equal plain causal attention over each rollout (in float64)."""
+    attn = SDPAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=0.3)
+    spans = [2 * cp * n for n in (1, 3, 2, 5)]  # rollouts padded to multiples of 2 x CP (megacritic.batching)
+    cu = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
+    t, d = int(cu[-1]), 8
+    gen = torch.Generator().manual_seed(cp * 10 + groups)
+    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (heads, groups, groups))
+    w = torch.randn(t, heads * d, generator=gen)
+
+    def grads(fn, dtype):
+        leaves = [x.to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves)
+        (out * w.to(dtype)).sum().backward()
+        return out.detach(), [x.grad for x in leaves]
+
+    def reference(q, k, v):  # each rollout alone, causal, float64
+        outs = []
+        for a, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[a:e].transpose(0, 1), k[a:e].transpose(0, 1), v[a:e].transpose(0, 1), is_causal=True,
+                scale=0.3, enable_gqa=True)
+            outs.append(o.transpose(0, 1).reshape(e - a, -1))
+        return torch.cat(outs)
+
+    out, (gq, gk, gv) = grads(lambda q, k, v: simulate_context_parallel(attn, q, k, v, cu, cp), torch.float32)
+    ref, (rq, rk, rv) = grads(reference, torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    for got, want in ((gq, rq), (gk, rk), (gv, rv)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """One parity run: the same weights and global batches under one layout; writes results as JSON.
 
-    torchrun --nproc_per_node N tests/multiproc/parity_run.py OUT.json [dotted.key=value ...]
+    torchrun --nproc_per_node N tests/multiproc/parity_run.py OUT.json [--modes=A,B] [dotted.key=value ...]
 
-For fixed padded and dynamic packed micro-batching in turn: compute_values on a batch, then three optimizer steps
-(one update_critic call over three mini-batches, no shuffle). Rank 0 writes values and metrics.
+For each micro-batching mode (default: fixed padded, then dynamic packed) in turn: compute_values on a batch,
+then three optimizer steps (one update_critic call over three mini-batches, no shuffle). Rank 0 writes values
+and metrics.
 """
 
 import json
@@ -27,12 +28,17 @@ MODES = {
     # token-budget micro-batches, packed without padding (THD)
     "dynamic": ["use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=40", "forward_max_token_len_per_gpu=30",
                 "model.use_remove_padding=true"],
+    # fixed-size micro-batches, packed (context parallelism needs packing)
+    "fixed_packed": ["use_dynamic_bsz=false", "ppo_micro_batch_size_per_gpu=2", "forward_micro_batch_size_per_gpu=2",
+                     "model.use_remove_padding=true"],
 }
+DEFAULT_MODES = ["fixed", "dynamic"]
 
 
-def run(overrides):
+def run(overrides, modes=DEFAULT_MODES):
     out = {}
-    for mode, extra in MODES.items():
+    for mode in modes:
+        extra = MODES[mode]
         config = load_config(MODEL + extra + overrides)
         worker = CriticWorker(config)
         worker.init_model()
@@ -43,13 +49,16 @@ def run(overrides):
         batch["values"] = values + 0.3 * torch.sin(torch.arange(values.numel()).reshape(values.shape).float())
         metrics = worker.update_critic(batch)
         after = worker.compute_values(batch)
-        out[mode] = {"values": values.tolist(), "values_after": after.tolist(), "metrics": metrics}
+        out[mode] = {"values": values.tolist(), "values_after": after.tolist(), "metrics": metrics,
+                     "cp": worker.layout.cp}
         worker.close()
     return out
 
 
 if __name__ == "__main__":
-    result = run(sys.argv[2:])
+    args = sys.argv[2:]
+    modes = args.pop(0).split("=", 1)[1].split(",") if args and args[0].startswith("--modes=") else DEFAULT_MODES
+    result = run(args, modes)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)

@@ -8,6 +8,8 @@ head on the last stage.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
@@ -79,7 +81,7 @@ def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
 
 
 def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, sequence_parallel: bool,
-                       dtype: torch.dtype, on_cpu: bool, variable_seq_lengths: bool, ep: int = 1,
+                       dtype: torch.dtype, on_cpu: bool, variable_seq_lengths: bool, cp: int = 1, ep: int = 1,
                        etp: int | None = None) -> TransformerConfig:
     """Megatron's TransformerConfig for a Llama / Qwen2-shaped decoder (with MoE layers when
     model.num_experts is set)."""
@@ -105,6 +107,9 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        # Our attention implements it (megacritic.model.layers); Megatron only needs the size for its
+        # pipeline shapes and gradient groups.
+        context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -227,14 +232,16 @@ class ValueModel(GPTModel):
         frequencies are read here from the table at its position within its rollout, so every layer
         applies RoPE in one elementwise pass over the pack.
         """
-        out = super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,
-                                  inference_context=inference_context, packed_seq_params=packed_seq_params,
-                                  padding_mask=padding_mask)
         if packed_seq_params is None:
-            return out
-        # packed_seq=True: the table is indexed by position, never sliced per context-parallel rank.
-        table = self.rotary_pos_emb(packed_seq_params.max_seqlen_q, packed_seq=True)  # [max_len, 1, 1, d]
-        return (out[0], table[position_ids.reshape(-1)], *out[2:])
+            return super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,
+                                       inference_context=inference_context, padding_mask=padding_mask)
+        # Announced as THD, Megatron builds the table by position ([max_len, 1, 1, d]) instead of slicing a
+        # [t, 1] sequence's table per context-parallel rank; only RoPE reads the format here.
+        out = super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,
+                                  inference_context=inference_context,
+                                  packed_seq_params=dataclasses.replace(packed_seq_params, qkv_format="thd"),
+                                  padding_mask=padding_mask)
+        return (out[0], out[1][position_ids.reshape(-1)], *out[2:])
 
 
 def build_value_model(model: ModelConfig, config: TransformerConfig) -> list[ValueModel]:
