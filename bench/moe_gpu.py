@@ -60,10 +60,11 @@ def main():
     parser.add_argument("--token-budget", type=int, default=16384, help="tokens per packed micro-batch")
     parser.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size (run under torchrun)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls of each kind (median reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed call pairs first")
     parser.add_argument("--cpu-tiny", action="store_true", help="tiny shape and batch, for a check without a GPU")
     args = parser.parse_args()
     if args.cpu_tiny:
-        args.rollouts, args.max_prompt, args.max_response, args.token_budget, args.repeats = 8, 16, 32, 128, 1
+        args.rollouts, args.max_prompt, args.max_response, args.token_budget, args.repeats, args.warmup = 8, 16, 32, 128, 1, 1
 
     s = shape(args)
     batch = rollouts(args.rollouts, s["vocab_size"], args.max_prompt, args.max_response)
@@ -78,8 +79,9 @@ def main():
     worker.init_model()
     try:
         tokens = int(batch["attention_mask"].sum())
-        worker.compute_values(batch)  # warm-up (allocator, first-call paths)
-        worker.update_critic(batch)
+        for _ in range(args.warmup):  # to steady state: allocator, compiled kernels' variants per length
+            worker.compute_values(batch)
+            worker.update_critic(batch)
         results = {}
         for name, call in (("compute_values", lambda: worker.compute_values(batch)),
                            ("update_critic", lambda: worker.update_critic(batch))):

@@ -142,6 +142,35 @@ def test_offload_frees_device_memory_and_keeps_results():
     assert float((plain[2] - offloaded[2]).norm() / plain[2].norm()) < 1e-2  # after a step (kernels may differ)
 
 
+def test_alternating_calls_keep_device_memory_flat():
+    """100 alternating compute_values / update_critic calls after a warm-up: live device memory is exactly
+    what it was (no tensor outlives its call on the GPU), and the allocator's reserve does not grow."""
+    from megacritic import CriticWorker, load_config
+    from megacritic.data import SyntheticRollouts
+
+    worker = CriticWorker(load_config(_small_critic(["model.dtype=bfloat16"])))
+    worker.init_model()
+    batch = SyntheticRollouts(worker.config).batch(0)
+
+    def pair():
+        batch["values"] = worker.compute_values(batch)
+        worker.update_critic(batch)
+
+    for _ in range(10):
+        pair()
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for _ in range(50):
+        pair()
+    torch.cuda.synchronize()
+    print(f"device memory after 100 more calls: allocated {allocated / 2**20:.1f} -> "
+          f"{torch.cuda.memory_allocated() / 2**20:.1f} MiB, reserved {reserved / 2**20:.1f} -> "
+          f"{torch.cuda.memory_reserved() / 2**20:.1f} MiB")
+    assert torch.cuda.memory_allocated() == allocated
+    assert torch.cuda.memory_reserved() <= reserved
+    worker.close()
+
+
 def _small_critic(extra):
     return ["model.hidden_size=256", "model.intermediate_size=512", "model.num_hidden_layers=4",
             "model.num_attention_heads=8", "model.num_key_value_heads=2", "data.rollouts_per_step=32",

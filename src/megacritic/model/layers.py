@@ -155,7 +155,8 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused and x.is_cuda:
-            return _compiled_rms_norm()(x, self.weight, self.eps)
+            # As [tokens, hidden]: guards on the stride of a size-1 batch dimension would recompile per length.
+            return _compiled_rms_norm()(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return _rms_norm(x, self.weight, self.eps)
 
 
