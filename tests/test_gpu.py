@@ -237,6 +237,41 @@ def test_fused_adamw_resumes_from_checkpoint(tmp_path):
         assert again[key] == pytest.approx(straight[key], rel=1e-6), key
 
 
+def test_grouped_experts_match_the_per_expert_loop():
+    """GroupedExperts' grouped GEMMs against SequentialMLP's loop (the same module, the same bf16 weights
+    and routed tokens, uneven loads and an expert with no token): outputs, input and weight gradients."""
+    from megacritic import CriticWorker, load_config
+    from megacritic.model.layers import GroupedExperts
+
+    worker = CriticWorker(load_config(_small_critic([
+        "model.dtype=bfloat16", "model.num_experts=8", "model.num_experts_per_tok=2",
+        "model.moe_intermediate_size=128"])))
+    worker.init_model()
+    experts = next(m for m in worker.critic.model[0].modules() if isinstance(m, GroupedExperts))
+    assert experts.grouped
+    torch.manual_seed(0)
+    counts = torch.tensor([300, 0, 17, 1, 512, 64, 9, 123])
+    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(len(x), device="cuda")
+    grad = torch.randn_like(x)
+    results = {}
+    for grouped in (True, False):
+        experts.grouped = grouped
+        xg = x.clone().requires_grad_()
+        worker.critic.model[0].zero_grad_buffer()  # weight gradients land in Megatron's main_grad buffer
+        out, bias = experts(xg, counts, probs)
+        out.backward(grad)
+        assert bias is None
+        results[grouped] = (out.float(), xg.grad.float(),
+                            [getattr(p, "main_grad", p.grad).float().clone() for p in experts.parameters()])
+    worker.close()
+    (out_g, dx_g, dw_g), (out_l, dx_l, dw_l) = results[True], results[False]
+    # bf16 GEMMs with float32 accumulation on both sides, different kernels: bf16 rounding apart
+    assert _rel(out_g, out_l) < 1e-2 and _rel(dx_g, dx_l) < 1e-2
+    for g, ref in zip(dw_g, dw_l):
+        assert ref.abs().max() == 0 and g.abs().max() == 0 or _rel(g, ref) < 1e-2
+
+
 def test_moe_critic_runs_on_the_gpu_in_both_precisions():
     # Float32 without the distributed optimizer is the path where the routers' and shared-expert gates'
     # host-built weights are not moved by Megatron's parameter buffers; bf16 must agree with it.

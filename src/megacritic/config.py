@@ -115,9 +115,10 @@ class ModelConfig:
     """Pack each micro-batch's rollouts into one sequence without padding (THD, varlen attention on GPU).
     False pads every rollout of a micro-batch to the longest one instead."""
     use_fused_kernels: bool = True
-    """On GPU: compiled RMSNorm (torch.compile), Megatron's fused SwiGLU and the fused CUDA AdamW kernel
-    instead of their eager / multi-tensor versions (same arithmetic, fewer passes over memory; figures in
-    bench/NOTES.md). No effect on CPU."""
+    """On GPU: compiled RMSNorm (torch.compile), Megatron's fused SwiGLU, the fused CUDA AdamW kernel and,
+    for mixture-of-experts models in bf16, each expert projection as one grouped GEMM, instead of their
+    eager / multi-tensor / per-expert versions (same arithmetic, fewer kernels and passes over memory;
+    figures in bench/NOTES.md). No effect on CPU."""
 
 
 @dataclass

@@ -21,7 +21,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe import moe_utils
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -32,7 +31,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megacritic.config import (ModelConfig, expert_ffn_size, head_dim, is_moe, moe_layer_pattern,
                                shared_expert_size)
-from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead
+from megacritic.model.layers import GroupedExperts, RMSNorm, SDPAttention, ValueHead
 
 # megatron-core 0.16.1 bug: the router's gating matmul tests `te_general_gemm is not None`, but moe_utils
 # defines that name only when Transformer Engine imports, so without TE every router raises NameError.
@@ -70,8 +69,8 @@ def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
         # Qwen2-MoE's shared expert, its output scaled by sigmoid(x . gate)
         moe_shared_expert_intermediate_size=shared or None,
         moe_shared_expert_gate=bool(shared),
-        # SequentialMLP experts: no grouped GEMM (needs Transformer Engine or nv-grouped-gemm), no fused
-        # permutation or router kernels (Transformer Engine).
+        # Megatron's grouped GEMM needs Transformer Engine or nv-grouped-gemm: our GroupedExperts (torch's
+        # grouped GEMM) is picked by the layer spec instead. No fused permutation or router kernels (TE).
         moe_grouped_gemm=False,
         moe_permute_fusion=False,
         moe_router_fusion=False,
@@ -145,12 +144,12 @@ def norm_spec(fused: bool) -> ModuleSpec:
     return ModuleSpec(module=RMSNorm, params={"fused": fused})
 
 
-def moe_spec(shared_expert: bool) -> ModuleSpec:
-    """Megatron's MoELayer: top-k router, SequentialMLP experts (one SwiGLU MLP per local expert) and, with
-    ``shared_expert``, a shared expert with a sigmoid gate."""
+def moe_spec(shared_expert: bool, fused: bool = False) -> ModuleSpec:
+    """Megatron's MoELayer: top-k router, SequentialMLP experts (one SwiGLU MLP per local expert; ``fused``:
+    run as grouped GEMMs on GPU) and, with ``shared_expert``, a shared expert with a sigmoid gate."""
     mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
+        experts=ModuleSpec(module=GroupedExperts, params={"grouped": fused}, submodules=mlp),
         shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp) if shared_expert else None))
 
 
@@ -198,7 +197,7 @@ class ValueModel(GPTModel):
         fused = config.bias_activation_fusion  # use_fused_kernels on GPU (transformer_config)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         dense = layer_spec(model.qk_layernorm, fused=fused)
-        moe = layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0), fused=fused)
+        moe = layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0, fused), fused=fused)
         pattern = moe_layer_pattern(model)[offset:offset + layers]
         spec = TransformerBlockSubmodules(layer_specs=[moe if p else dense for p in pattern],
                                           layer_norm=norm_spec(fused))
