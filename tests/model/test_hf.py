@@ -369,6 +369,9 @@ LAYOUTS = {
     # beyond the three: interleaved chunks (two per rank) gathered by export
     "tp1_pp2_vpp2": (2, ["megatron.pipeline_model_parallel_size=2", "megatron.virtual_pipeline_model_parallel_size=2"],
                      ["llama", "qwen3"]),
+    # context parallelism: every CP rank holds the whole model, export writes it once
+    "tp1_pp1_cp2": (2, ["megatron.context_parallel_size=2", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=32"],
+                    ["qwen2", "qwen3"]),
 }
 CASES = [pytest.param(layout, name, id=f"{layout}-{name}") for layout, (_, _, names) in LAYOUTS.items()
          for name in names]

@@ -280,3 +280,12 @@ def test_value_head_backward_reaches_params(config):
     values.sum().backward()
     torch.testing.assert_close(head.weight.grad, x.detach().sum((0, 1)).unsqueeze(0))
     torch.testing.assert_close(head.bias.grad, torch.tensor([6.0]))
+
+
+def test_moe_spec_groups_the_experts_only_with_fused_kernels():
+    from megacritic.model.layers import GroupedExperts
+    from megacritic.model.value_model import moe_spec
+
+    for fused in (True, False):
+        experts = moe_spec(shared_expert=False, fused=fused).submodules.experts
+        assert experts.module is GroupedExperts and experts.params == {"grouped": fused}
