@@ -9,10 +9,11 @@ import argparse
 import time
 
 import torch
+from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 from megacritic import CriticWorker, load_config
-from megacritic.bench import SHAPES, rollouts
+from megacritic.bench import SHAPES, megacritic_overrides, rollouts
 
 
 def main():
@@ -28,18 +29,13 @@ def main():
         parser.error("needs a CUDA device (it measures GPU kernels)")
     shape = SHAPES[args.shape]
     batch = rollouts(args.rollouts, shape["vocab_size"], 1024, 8192)
-    config = load_config([f"model.{k}={v}" for k, v in shape.items()] + [
-        "model.attention_bias=true", "model.rope_theta=1000000.0", "model.max_position_embeddings=9216",
-        f"data.rollouts_per_step={args.rollouts}", f"ppo_mini_batch_size={args.rollouts // 4}",
-        "use_dynamic_bsz=true", f"ppo_max_token_len_per_gpu={args.token_budget}", "data.prompt_length=[1,1024]",
-        "data.response_length=[1,8192]", "optim.lr=1e-6"] + extra)
+    config = load_config(megacritic_overrides(shape, batch, True, args.token_budget, micro_batch=1) + extra)
     worker = CriticWorker(config)
     worker.init_model()
     call = (lambda: worker.update_critic(batch)) if args.phase == "update" else (lambda: worker.compute_values(batch))
-    worker.compute_values(batch)  # warm-up of both phases, as the benchmark does
+    worker.compute_values(batch)  # one warm-up pair; the timed calls show how soon steady state comes
     worker.update_critic(batch)
     tokens = int(batch["attention_mask"].sum())
-    from torch._dynamo.utils import counters
     for i in range(args.calls):
         torch.cuda.synchronize()
         start = time.perf_counter()

@@ -108,7 +108,7 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
     packed_params = position_ids = None
     owned = None
     if packed:
-        spans = round_up_tensor(lens, 2 * cp_size) if cp_size > 1 else lens  # fillers after each rollout
+        spans = rollout_spans(lens, cp_size)
         starts = torch.cat([torch.zeros(1, dtype=torch.long), spans.cumsum(0)])
         multiple = pack_multiple(seq_multiple, cp_size)
         total = round_up(int(starts[-1]), multiple)
@@ -172,12 +172,14 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
                       padding_mask=padding, tokens=int(lens.sum()), **fields)
 
 
-def round_up(n: int, multiple: int) -> int:
+def round_up(n: int | Tensor, multiple: int) -> int | Tensor:
     return -(-n // multiple) * multiple
 
 
-def round_up_tensor(n: Tensor, multiple: int) -> Tensor:
-    return (n + multiple - 1) // multiple * multiple
+def rollout_spans(seq_lens: Tensor, cp_size: int) -> Tensor:
+    """Each rollout's length in the pack: with context parallelism, padded by fillers after its real
+    tokens to a multiple of 2 x CP (module doc)."""
+    return round_up(seq_lens, 2 * cp_size) if cp_size > 1 else seq_lens
 
 
 def pack_multiple(seq_multiple: int, cp_size: int) -> int:
@@ -190,8 +192,7 @@ def pack_multiple(seq_multiple: int, cp_size: int) -> int:
 
 def pack_length(seq_lens: Tensor, seq_multiple: int = 1, cp_size: int = 1) -> int:
     """Length of the whole pack of rollouts with these lengths (before a context-parallel split)."""
-    spans = round_up_tensor(seq_lens, 2 * cp_size) if cp_size > 1 else seq_lens
-    return round_up(int(spans.sum()), pack_multiple(seq_multiple, cp_size))
+    return round_up(int(rollout_spans(seq_lens, cp_size).sum()), pack_multiple(seq_multiple, cp_size))
 
 
 def context_parallel_split(cu: Tensor, cp_size: int, cp_rank: int) -> tuple[Tensor, dict]:

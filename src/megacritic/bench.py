@@ -103,10 +103,10 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def run_megacritic(shape: dict, batch: TensorDict, packed: bool, token_budget: int, micro_batch: int,
-                   repeats: int, extra: list[str] = (), warmup: int = 1) -> dict[str, tuple[float, float]]:
-    from megacritic import CriticWorker, load_config
-
+def megacritic_overrides(shape: dict, batch: TensorDict, packed: bool, token_budget: int,
+                         micro_batch: int) -> list[str]:
+    """The config of a megacritic system for ``shape`` on ``batch``: four mini-batches per call, token-budget
+    packed micro-batches (``packed``) or fixed padded ones of ``micro_batch`` rollouts."""
     n = len(batch)
     prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
     overrides = [f"model.{k}={v}" for k, v in shape.items()] + [
@@ -119,6 +119,14 @@ def run_megacritic(shape: dict, batch: TensorDict, packed: bool, token_budget: i
         overrides += ["use_dynamic_bsz=true", f"ppo_max_token_len_per_gpu={token_budget}"]
     else:
         overrides += ["use_dynamic_bsz=false", f"ppo_micro_batch_size_per_gpu={micro_batch}"]
+    return overrides
+
+
+def run_megacritic(shape: dict, batch: TensorDict, packed: bool, token_budget: int, micro_batch: int,
+                   repeats: int, extra: list[str] = (), warmup: int = 1) -> dict[str, tuple[float, float]]:
+    from megacritic import CriticWorker, load_config
+
+    overrides = megacritic_overrides(shape, batch, packed, token_budget, micro_batch)
     # Each model starts with empty torch.compile caches, as its own training job would: compiled kernels of
     # earlier shapes in this process would otherwise use up the recompilation limit and fall back to eager.
     torch._dynamo.reset()

@@ -196,8 +196,8 @@ class GroupedExperts(SequentialMLP):
 
     The experts keep SequentialMLP's per-expert parameters (``local_experts.N.linear_fc{1,2}.weight``), so
     checkpoints, the Hugging Face mapping and expert parallelism are unchanged; each call stacks them
-    (one copy of the local expert weights per layer and micro-batch, ~0.1 ms on an H200 for 64 experts of
-    FFN 384) and autograd hands each expert its slice of the gradient. Under expert tensor parallelism the
+    (one copy of the local expert weights per layer and micro-batch, counted in the probe's timings) and
+    autograd hands each expert its slice of the gradient. Under expert tensor parallelism the
     weights are local shards, and the partial fc2 sums are reduced by the token dispatcher, as for the loop.
     """
 
