@@ -103,11 +103,16 @@ def test_bf16_packed_and_padded_agree():
         assert abs(m_packed[key][0] - m_padded[key][0]) <= 2e-2 * abs(m_padded[key][0]), key
 
 
-def test_offload_frees_device_memory_and_keeps_results():
+@pytest.mark.parametrize("dtype,distributed", [("bfloat16", "true"), ("float32", "false")])
+def test_offload_frees_device_memory_and_keeps_results(dtype, distributed):
+    """All three offload switches: nothing of the critic stays on the device between calls, compute_values
+    brings back only the parameters, and results equal the resident critic's. Float32 without the
+    distributed optimizer is the layout where the optimizer's main parameters are the model's own."""
     from megacritic import CriticWorker, load_config
     from megacritic.data import SyntheticRollouts
 
-    overrides = ["model.dtype=bfloat16", "model.hidden_size=1024", "model.intermediate_size=4096",
+    overrides = [f"model.dtype={dtype}", f"megatron.use_distributed_optimizer={distributed}",
+                 "model.hidden_size=1024", "model.intermediate_size=4096",
                  "model.num_hidden_layers=8", "model.num_attention_heads=16", "model.num_key_value_heads=4",
                  "model.vocab_size=32000", "data.rollouts_per_step=32", "ppo_mini_batch_size=16",
                  "shuffle=false", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=1024"]
@@ -127,16 +132,22 @@ def test_offload_frees_device_memory_and_keeps_results():
         between = torch.cuda.memory_allocated() - base
         batch["values"] = values
         metrics = worker.update_critic(batch)
+        torch.cuda.reset_peak_memory_stats()
         after = worker.compute_values(batch)
-        results[offload] = (values, metrics, after, resident, between)
-        print(f"offload={offload}: device memory held by the critic between calls "
-              f"{resident / 2**20:.1f} MiB after init, {between / 2**20:.1f} MiB after compute_values")
+        values_peak = torch.cuda.max_memory_allocated() - base
+        params = sum(p.numel() * p.element_size() for chunk in worker.critic.model for p in chunk.parameters())
+        results[offload] = (values, metrics, after, resident, between, values_peak, params)
+        print(f"{dtype}, offload={offload}: device memory held by the critic between calls "
+              f"{resident / 2**20:.1f} MiB after init, {between / 2**20:.1f} MiB after compute_values; "
+              f"compute_values peak {values_peak / 2**20:.1f} MiB (parameters {params / 2**20:.1f} MiB)")
         worker.close()
         del worker
     plain, offloaded = results[False], results[True]
     assert plain[4] > 1 << 30  # the critic holds over a GiB without offload...
     # ...and next to nothing with it: what stays is size-independent (rotary tables, small caches)
     assert offloaded[3] < 64 << 20 and offloaded[4] < 64 << 20
+    # compute_values onloads the parameters only: no gradient buffer, optimizer state or main parameters
+    assert offloaded[5] < offloaded[6] + (256 << 20) < plain[5]
     assert torch.equal(plain[0], offloaded[0])  # same values
     assert plain[1]["critic/vf_loss"] == offloaded[1]["critic/vf_loss"]
     assert float((plain[2] - offloaded[2]).norm() / plain[2].norm()) < 1e-2  # after a step (kernels may differ)
@@ -179,7 +190,8 @@ def _small_critic(extra):
 
 
 def test_fused_kernels_match_eager_in_float32():
-    """Compiled RMSNorm, fused SwiGLU and fused AdamW change kernels, not arithmetic: float32 runs agree to
+    """Compiled RMSNorm and RoPE, fused SwiGLU, weight gradients accumulated in the GEMM and fused AdamW
+    change kernels, not arithmetic: float32 runs agree to
     rounding before any step (measured 4e-7). After a step the kernels' different rounding of near-zero
     gradients is amplified by Adam's first, sign-like updates (m / sqrt(v) = +-1): measured ~1e-5 on the
     following losses, so later steps use the parity suite's multi-step bound of 1e-3."""
@@ -207,6 +219,29 @@ def test_fused_kernels_match_eager_in_float32():
         first, *later = report[key]
         assert first < 1e-5 and all(d < 1e-3 for d in later), report
     assert report["values after steps"] < 1e-3, report
+
+
+def test_compiled_rope_matches_float64_rotation():
+    """The compiled RoPE of packed micro-batches (float32 inside, one rounding) against the rotation in
+    float64, forward and backward, in bf16: within bf16 rounding of the inputs."""
+    from megacritic.model.layers import apply_rotary
+
+    torch.manual_seed(0)
+    lens, heads, groups, d = [700, 3, 1300], 12, 2, 128
+    inv = 1.0 / 1e6 ** (torch.arange(0, d, 2, dtype=torch.float64, device="cuda") / d)
+    pos = torch.cat([torch.arange(n, dtype=torch.float64, device="cuda") for n in lens])
+    freqs = torch.outer(pos, inv).repeat(1, 2)[:, None, :]  # [t, 1, d]
+    q = torch.randn(sum(lens), heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens), groups, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = freqs.cos().bfloat16(), freqs.sin().bfloat16()
+    q2, k2 = apply_rotary(q, k, cos, sin, fused=True)
+    refs = apply_rotary(q.detach().double(), k.detach().double(), cos.double(), sin.double())
+    assert _rel(q2.detach(), refs[0]) < 4e-3 and _rel(k2.detach(), refs[1]) < 4e-3
+    gq, gk = torch.randn_like(q2), torch.randn_like(k2)
+    torch.autograd.backward([q2, k2], [gq, gk])
+    qd, kd = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    torch.autograd.backward(list(apply_rotary(qd, kd, cos.double(), sin.double())), [gq.double(), gk.double()])
+    assert _rel(q.grad, qd.grad) < 4e-3 and _rel(k.grad, kd.grad) < 4e-3
 
 
 def test_fused_adamw_resumes_from_checkpoint(tmp_path):

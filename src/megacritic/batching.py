@@ -37,7 +37,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megacritic.batch import BatchError, Rollouts
-from megacritic.model.layers import ContextParallelPack
+from megacritic.model.layers import ContextParallelPack, Pack
 from megacritic.partition import fixed_partitions, token_budget_partitions
 
 
@@ -137,7 +137,7 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
             packed_params = ContextParallelPack(**pack, **{k: v.to(device) if torch.is_tensor(v) else v
                                                           for k, v in attention.items()})
         else:
-            packed_params = PackedSeqParams(**pack)
+            packed_params = Pack(**pack)
         ids, padding = ids[None], padding[None]
         position_ids = position_ids[None].to(device) if device is not None else position_ids[None]
     else:

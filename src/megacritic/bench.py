@@ -5,6 +5,8 @@
 Systems, on the same rollouts (prompts 64-1024 tokens, responses log-normal 16-8192, median ~1024):
 
 * ``megacritic-packed``: our default, token-budget micro-batches packed without padding (THD);
+* ``megacritic-offload``: the packed default with parameters, gradient buffers and optimizer state in host
+  memory between calls (``megatron.*_offload``), as a job that shares its GPUs with a rollout engine runs;
 * ``megacritic-padded``: our code with fixed-size micro-batches padded to their longest rollout;
 * ``hf-sdpa-padded``: ``transformers`` AutoModelForTokenClassification (num_labels=1, SDPA attention),
   fused torch AdamW, the same clipped value loss, verl-layout padded micro-batches of the largest size
@@ -40,7 +42,9 @@ SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=512),
 }
-SYSTEMS = ("megacritic-packed", "megacritic-padded", "hf-sdpa-padded")
+SYSTEMS = ("megacritic-packed", "megacritic-offload", "megacritic-padded", "hf-sdpa-padded")
+# What a colocated RL job runs: the packed default with its whole state in host memory between calls.
+OFFLOAD = [f"megatron.{part}_offload=true" for part in ("param", "grad", "optimizer")]
 PEAK_FLOPS = {"nvidia-h200": 989e12, "cpu": float("nan")}  # dense bf16, spec sheet
 
 
@@ -260,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
                 if system == "hf-sdpa-padded":
                     result = run_hf(shape, batch, args.repeats)
                 else:
-                    result = run_megacritic(shape, batch, system == "megacritic-packed", budget,
-                                            args.micro_batch, args.repeats, args.set, args.warmup)
+                    extra = args.set + (OFFLOAD if system == "megacritic-offload" else [])
+                    result = run_megacritic(shape, batch, system != "megacritic-padded", budget,
+                                            args.micro_batch, args.repeats, extra, args.warmup)
             except torch.OutOfMemoryError:
                 result, error = None, "out of memory"
                 _reset_memory()
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                     row.update(real_tokens_per_s=real / t, mfu=flops / t / peak, peak_mem_gib=mem, seconds=t)
                     if system != "hf-sdpa-padded" and args.set:
                         row["overrides"] = args.set
-                    if system == "megacritic-packed":
+                    if system in ("megacritic-packed", "megacritic-offload"):
                         row["token_budget"] = budget
                     elif system == "megacritic-padded":
                         row["micro_batch"] = args.micro_batch

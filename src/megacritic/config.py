@@ -141,13 +141,14 @@ class MegatronConfig:
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     param_offload: bool = False
-    """Keep parameters in host memory between calls (GPU only; needs use_distributed_optimizer, whose
-    contiguous buffer holds them), so a colocated rollout engine can use the device memory."""
+    """Keep parameters in pinned host memory between calls (GPU only), so a colocated rollout engine can
+    use the device memory; compute_values brings back only these."""
     grad_offload: bool = False
-    """Release the gradient buffers between calls (they are re-created, zeroed, at the next call)."""
+    """Release the gradient buffers between calls (they are re-created, zeroed, at the next update)."""
     optimizer_offload: bool = False
-    """Keep optimizer state (fp32 main parameters and Adam moments) in host memory between calls
-    (needs bf16 parameters: with fp32 ones the optimizer updates the parameters in place)."""
+    """Keep optimizer state (fp32 main parameters and Adam moments) in pinned host memory between calls;
+    only update_critic brings it back. With float32 parameters the main parameters are the model's own,
+    and move with param_offload."""
     expert_model_parallel_size: int = 1
     """Expert parallelism (MoE models): the routed experts of each layer are split over this many ranks,
     taken from the data-parallel ranks (it must divide world size / (tensor x pipeline parallel)); tokens
@@ -489,12 +490,6 @@ def validate(config: CriticConfig) -> None:
     _positive("megatron.nccl_timeout", mg.nccl_timeout)
     if mg.timing_level not in (0, 1, 2):
         _fail("megatron.timing_level", mg.timing_level, "choose 0 (off), 1 (per step) or 2 (per micro-batch)")
-    if mg.param_offload and not mg.use_distributed_optimizer:
-        _fail("megatron.param_offload", True, "needs megatron.use_distributed_optimizer=true (its contiguous "
-              "parameter buffer is what moves to host memory)")
-    if mg.optimizer_offload and m.dtype == "float32":
-        _fail("megatron.optimizer_offload", True, "needs bfloat16 parameters (model.dtype=bfloat16 or auto): "
-              "with float32 ones the optimizer state aliases the parameters")
 
     _positive("ppo_mini_batch_size", config.ppo_mini_batch_size)
     _positive("ppo_epochs", config.ppo_epochs)

@@ -17,10 +17,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
+from megatron.core.optimizer import optimizer as megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.timers import Timers
+from megatron.core.utils import local_multi_tensor_applier
 
 from megacritic import checkpoint
 from megacritic.backend.cpu import enable_cpu_backend
@@ -28,6 +30,7 @@ from megacritic.config import ConfigError, CriticConfig, is_moe, to_dict, valida
 from megacritic.critic import Layout, MegatronPPOCritic, StepTimers
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
 from megacritic.model.weights import ExpertRanks, load_full_weights, weight_source
+from megacritic.offload import PinnedOffload
 
 
 def _free_port() -> int:
@@ -86,12 +89,54 @@ def use_fused_adamw(optimizer) -> None:
             group.update(fused=True, foreach=False)
 
 
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """apex's multi_tensor_l2norm as Megatron calls it: the L2 norm of all tensors, as a [1] tensor."""
+    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """apex's multi_tensor_scale as Megatron calls it: dst = src * scale for every pair (dtypes may differ)."""
+    src, dst = tensor_lists
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, src if scale == 1.0 else torch._foreach_mul(src, scale))
+
+
+def use_foreach_multi_tensor_ops() -> None:
+    """Without Transformer Engine or apex, Megatron's grad-norm and grad-clip fall back to Python loops over
+    the tensors, and the norm reads every tensor's norm on the host: one device synchronisation per
+    parameter, ~800 per update_critic at 1.5B (``bench/profile_phase.py --sync-sites``), each draining the
+    GPU's queue. torch's foreach kernels do the same arithmetic in a few launches and no synchronisation."""
+    if clip_grads.multi_tensor_applier is not local_multi_tensor_applier:
+        return  # apex or Transformer Engine kernels are there
+    clip_grads.l2_norm_impl = _foreach_l2_norm
+    clip_grads.multi_tensor_scale_impl = _foreach_scale
+    megatron_optimizer.multi_tensor_scale_impl = _foreach_scale
+
+
 def optimizer_steps(config: CriticConfig) -> int:
     """Optimizer steps the LR schedule spans: optim.total_training_steps, or what trainer.* implies."""
     if config.optim.total_training_steps > 0:
         return config.optim.total_training_steps
     per_iteration = config.data.rollouts_per_step // config.ppo_mini_batch_size * config.ppo_epochs
     return config.trainer.steps * per_iteration
+
+
+OFFLOAD_PARTS = ("params", "grads", "optimizer")
+
+
+def _optimizer_tensors(optimizer):
+    """The device tensors a Megatron optimizer keeps: main parameters (float32 copies) and their state."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if torch_optimizer is None:
+            continue
+        for group in torch_optimizer.param_groups:
+            yield from (p for p in group["params"] if p.is_cuda)
+        for state in torch_optimizer.state.values():
+            yield from (v for v in state.values() if torch.is_tensor(v) and v.is_cuda)
 
 
 class _FinalizeGrads:
@@ -111,7 +156,8 @@ class CriticWorker:
         self.layout: Layout | None = None
         self.critic: MegatronPPOCritic | None = None
         self._owns_process_group = False
-        self._offloaded = False
+        self._on_host: set[str] = set()  # offload parts now in host memory
+        self._host = {"params": PinnedOffload(), "optimizer": PinnedOffload()}
 
     def init_model(self) -> None:
         cfg, mg = self.config, self.config.megatron
@@ -172,6 +218,7 @@ class CriticWorker:
         tconfig.finalize_model_grads_func = _FinalizeGrads()
 
         # 4. Optimizer (Adam, distributed over DP by default) and 5. LR schedule.
+        use_foreach_multi_tensor_ops()
         o = cfg.optim
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
@@ -216,60 +263,71 @@ class CriticWorker:
         return self.critic
 
     def compute_values(self, data) -> torch.Tensor:
-        with self._onloaded():
+        # A forward needs neither gradients nor optimizer state, and leaves the parameters as they were.
+        with self._onloaded(("params",), read_only=True):
             return self._require_model().compute_values(data)
 
     def update_critic(self, data) -> dict[str, list[float]]:
-        with self._onloaded():
+        with self._onloaded(OFFLOAD_PARTS):
             return self._require_model().update_critic(data)
 
     # ---------------------------------------------------------------- offload (megatron.*_offload)
 
     @contextlib.contextmanager
-    def _onloaded(self):
-        """With offloading configured, the critic lives in host memory between calls: onload for the call,
-        offload after it (also when it raises)."""
-        self.onload()
+    def _onloaded(self, parts, read_only: bool = False):
+        """With offloading configured, the critic lives in host memory between calls: onload what the call
+        needs, offload after it (also when it raises). ``read_only``: the call changed nothing onloaded, whose
+        host copies are then still current (the device memory is freed without copying back)."""
+        brought_back = [part for part in parts if part in self._on_host]  # (what was on the device may differ)
+        self.onload(parts)
         try:
             yield
         finally:
-            self.offload()
+            self.offload(unchanged=brought_back if read_only else ())
 
-    def offload(self) -> None:
-        """Move what megatron.{param,grad,optimizer}_offload name to host memory and release the device
-        memory. Nothing to move on CPU. Uses Megatron's own buffer and optimizer offload."""
-        critic, mg = self._require_model(), self.config.megatron
-        if self._offloaded or self.layout.device.type != "cuda" or not (
-                mg.param_offload or mg.grad_offload or mg.optimizer_offload):
+    def _offload_flags(self) -> dict[str, bool]:
+        mg = self.config.megatron
+        return {"params": mg.param_offload, "grads": mg.grad_offload, "optimizer": mg.optimizer_offload}
+
+    def offload(self, unchanged=()) -> None:
+        """Move what megatron.{param,grad,optimizer}_offload name to host memory (pinned; gradient buffers are
+        released, not copied) and release the device memory; parts already on the host stay there. Nothing
+        to move on CPU. ``unchanged``: parts only read since their onload (freed without a copy)."""
+        critic = self._require_model()
+        flags = self._offload_flags()
+        todo = [part for part in OFFLOAD_PARTS if flags[part] and part not in self._on_host]
+        if self.layout.device.type != "cuda" or not todo:
             return
-        torch.cuda.synchronize()
-        for chunk in critic.model:
-            if mg.grad_offload:
+        params = [p for chunk in critic.model for p in chunk.parameters()]
+        # The optimizer first, while the parameters are still on the device: with float32 parameters the
+        # optimizer's main parameters are the model's own (or views of them), and those stay.
+        if "optimizer" in todo:
+            model_storages = {p.untyped_storage().data_ptr() for p in params}
+            self._host["optimizer"].offload(t for t in _optimizer_tensors(critic.optimizer)
+                                            if t.untyped_storage().data_ptr() not in model_storages)
+        if "grads" in todo:
+            for chunk in critic.model:
                 chunk.offload_grad_buffers(synchronize=False, empty_cache=False)
-            if mg.param_offload:
-                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                    buffer.offload_to_cpu(move_params=True, move_grads=False)
-        if mg.optimizer_offload:
-            critic.optimizer.offload_to_cpu()
+        if "params" in todo:
+            if "params" in unchanged:
+                self._host["params"].release()
+            else:
+                self._host["params"].offload(params)
+        self._on_host.update(todo)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        self._offloaded = True
 
-    def onload(self) -> None:
-        """Bring offloaded state back to the device (gradient buffers come back zeroed)."""
-        critic, mg = self._require_model(), self.config.megatron
-        if not self._offloaded:
-            return
-        for chunk in critic.model:
-            if mg.param_offload:
-                for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                    buffer.reload_from_cpu(move_params=True, move_grads=False)
-            if mg.grad_offload:
-                chunk.restore_grad_buffers(synchronize=False)
-        if mg.optimizer_offload:
-            critic.optimizer.restore_from_cpu()
-        torch.cuda.synchronize()
-        self._offloaded = False
+    def onload(self, parts=OFFLOAD_PARTS) -> None:
+        """Bring offloaded state back to the device (gradient buffers come back zeroed); ``parts``: some of
+        "params", "grads", "optimizer" (default all)."""
+        critic = self._require_model()
+        for part in (p for p in parts if p in self._on_host):
+            if part == "grads":
+                for chunk in critic.model:
+                    chunk.restore_grad_buffers(synchronize=False)
+            else:
+                self._host[part].onload()
+            self._on_host.discard(part)
 
     def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> str:
         """Collective: write ``<root>/step_<step>`` (model, optimizer, LR schedule, shuffle position and

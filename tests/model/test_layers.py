@@ -1,5 +1,5 @@
 """megacritic.model.layers against float64 references: SDPAttention (also context-parallel, with simulated
-ranks), RMSNorm, ValueHead.
+ranks), RoPE of packed micro-batches, RMSNorm, ValueHead.
 
 Building these modules needs only a Megatron TransformerConfig (no process group, no parallel state).
 """
@@ -13,7 +13,7 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 
 from megacritic.config import ModelConfig
-from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead
+from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead, apply_rotary
 from megacritic.model.value_model import transformer_config
 
 
@@ -177,6 +177,44 @@ def test_context_parallel_attention_matches_causal_attention(config, cp, heads, 
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
     for got, want in ((gq, rq), (gk, rk), (gv, rv)):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# RoPE of packed micro-batches (applied by SDPAttention)
+
+
+def _pack_rotary(lens, d, base=10000.0):
+    """Per-token freqs [t, 1, 1, d] of a pack whose positions restart at every rollout, as Megatron builds
+    them (the two halves share each frequency)."""
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    pos = torch.cat([torch.arange(n, dtype=torch.float64) for n in lens])
+    freqs = torch.outer(pos, inv)
+    return torch.cat([freqs, freqs], -1)[:, None, None, :]
+
+
+def test_packed_rope_is_megatrons_arithmetic_and_rotates_each_rollout_from_position_0():
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    torch.manual_seed(0)
+    lens, heads, groups, d = [5, 1, 9], 4, 2, 16
+    t = sum(lens)
+    freqs = _pack_rotary(lens, d)
+    q, k = torch.randn(t, heads, d), torch.randn(t, groups, d)
+    f32 = freqs.float()
+    q2, k2 = apply_rotary(q, k, f32.cos()[:, 0], f32.sin()[:, 0])
+    # Bit for bit what Megatron's unfused RoPE computes on [t, 1, heads, d].
+    assert torch.equal(q2, _apply_rotary_pos_emb_bshd(q[:, None], f32)[:, 0])
+    assert torch.equal(k2, _apply_rotary_pos_emb_bshd(k[:, None], f32)[:, 0])
+    # And the rotation itself, in float64: pairs (i, i + d/2) turn by position * frequency of i.
+    half = d // 2
+    angle = freqs[:, 0, 0, :half]
+    x1, x2 = q.double()[..., :half], q.double()[..., half:]
+    ref = torch.cat([x1 * angle.cos()[:, None] - x2 * angle.sin()[:, None],
+                     x2 * angle.cos()[:, None] + x1 * angle.sin()[:, None]], -1)
+    assert torch.allclose(q2.double(), ref, atol=1e-5)
+    # Each rollout's first token is at position 0: unrotated.
+    for start in (0, 5, 6):
+        assert torch.equal(q2[start], q[start])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,204 @@
+"""Which of the remaining non-GEMM costs of update_critic are worth replacing? Three probes on one GPU, on the
+bench's packed micro-batches (the 32 seeded rollouts, packed into 16,384-token micro-batches), bf16:
+
+* attention: FlashAttention-2 (``varlen_attn``, today's path) against cuDNN's fused attention on the same
+  packs (nested-tensor SDPA, keys and values expanded to the query heads, the expansion timed too);
+* RoPE: Megatron's unfused ``apply_rotary_pos_emb`` on q and k against one compiled kernel with cos / sin
+  computed once per micro-batch;
+* weight-gradient accumulation: ``mm`` to bf16 then ``main_grad.add_`` (Megatron without apex) against one
+  ``addmm`` that accumulates into the float32 ``main_grad`` (cuBLAS, bf16 inputs, float32 output).
+
+Each row: forward + backward over all packs of one layer, median of 10 after 3 warm-ups, and the largest
+difference from the reference path.
+
+    python bench/kernel_probe.py [--shape qwen2.5-1.5b] [--budget 16384]
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megacritic.bench import SHAPES, rollouts
+
+
+def packs(budget: int) -> list[list[int]]:
+    """The bench's rollout lengths, packed greedily in order into micro-batches of at most ``budget`` tokens."""
+    lens = rollouts(32, 1000, 1024, 8192)["attention_mask"].sum(1).tolist()
+    out, cur = [], []
+    for n in lens:
+        if cur and sum(cur) + n > budget:
+            out.append(cur)
+            cur = []
+        cur.append(n)
+    return out + [cur]
+
+
+def timed(fn, repeats=10) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def attention_rows(shape, micro, with_cudnn: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.varlen import varlen_attn
+    heads, groups = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape["hidden_size"] // heads
+    data = []
+    for lens in micro:
+        t = sum(lens)
+        cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+        q = torch.randn(t, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(t, groups, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(t, groups, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        data.append((q, k, v, cu, max(lens), torch.randn(t, heads, d, device="cuda", dtype=torch.bfloat16)))
+
+    def fa2():
+        outs = []
+        for q, k, v, cu, m, g in data:
+            o = varlen_attn(q, k, v, cu, cu, m, m, window_size=(-1, 0))
+            o.backward(g)
+            outs.append(o.detach())
+        return outs
+
+    def cudnn():
+        outs = []
+        for q, k, v, cu, m, g in data:
+            rep = heads // groups
+            ke, ve = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            offs = cu.long()
+            nq, nk, nv = (torch.nested.nested_tensor_from_jagged(x, offs, max_seqlen=m).transpose(1, 2)
+                          for x in (q, ke, ve))
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = F.scaled_dot_product_attention(nq, nk, nv, is_causal=True).transpose(1, 2).values()
+            o.backward(g)
+            outs.append(o.detach())
+        return outs
+
+    ref = fa2()
+    rows = [("attention", "FlashAttention-2 varlen", timed(fa2), 0.0)]
+    if not with_cudnn:
+        return rows
+    try:
+        out = cudnn()
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, out))
+        rows.append(("attention", "cuDNN (nested SDPA, KV expanded)", timed(cudnn), diff))
+    except Exception as e:  # noqa: BLE001 - a probe reports what is unavailable
+        rows.append(("attention", f"cuDNN unavailable: {type(e).__name__}: {str(e)[:120]}", float("nan"), float("nan")))
+    return rows
+
+
+def rope_rows(shape, micro):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    heads, groups = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape["hidden_size"] // heads
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    data = []
+    for lens in micro:
+        t = sum(lens)
+        pos = torch.cat([torch.arange(n, device="cuda") for n in lens]).float()
+        freqs = torch.outer(pos, inv)
+        freqs = torch.cat([freqs, freqs], -1)[:, None, None, :]  # [t, 1, 1, d] as Megatron builds it
+        q = torch.randn(t, 1, heads, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(t, 1, groups, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        data.append((q, k, freqs, torch.randn_like(q), torch.randn_like(k)))
+
+    def megatron():
+        outs = []
+        for q, k, freqs, gq, gk in data:
+            qo, ko = _apply_rotary_pos_emb_bshd(q, freqs), _apply_rotary_pos_emb_bshd(k, freqs)
+            torch.autograd.backward([qo, ko], [gq, gk])
+            outs.append(qo.detach())
+        return outs
+
+    def rotate(x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        return (x.float() * cos + torch.cat([-x2, x1], dim=-1).float() * sin).to(x.dtype)
+
+    def both(q, k, cos, sin):
+        return rotate(q, cos, sin), rotate(k, cos, sin)
+
+    compiled = torch.compile(both, dynamic=True)
+
+    def fused():
+        outs = []
+        for q, k, freqs, gq, gk in data:
+            cos, sin = freqs.cos(), freqs.sin()  # once per micro-batch in the model
+            qo, ko = compiled(q, k, cos, sin)
+            torch.autograd.backward([qo, ko], [gq, gk])
+            outs.append(qo.detach())
+        return outs
+
+    ref = megatron()
+    out = fused()
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, out))
+    return [("rope (q and k)", "Megatron unfused", timed(megatron), 0.0),
+            ("rope (q and k)", "compiled, cos/sin per micro-batch", timed(fused), diff)]
+
+
+def wgrad_rows(shape, micro):
+    h, ffn, heads, groups = (shape[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                 "num_key_value_heads"))
+    d = h // heads
+    linears = [(h, (heads + 2 * groups) * d), (heads * d, h), (h, 2 * ffn), (ffn, h)]  # qkv, proj, fc1, fc2
+    data = []
+    for lens in micro:
+        t = sum(lens)
+        for n_in, n_out in linears:
+            data.append((torch.randn(t, n_in, device="cuda", dtype=torch.bfloat16),
+                         torch.randn(t, n_out, device="cuda", dtype=torch.bfloat16)))
+    mains = [torch.zeros(n_out, n_in, device="cuda") for n_in, n_out in linears]
+
+    def unfused():
+        for i, (x, g) in enumerate(data):
+            mains[i % len(linears)].add_(g.t() @ x)
+
+    def fused():
+        for i, (x, g) in enumerate(data):
+            m = mains[i % len(linears)]
+            torch.addmm(m, g.t(), x, out_dtype=torch.float32, out=m)
+
+    for m in mains:
+        m.zero_()
+    unfused()
+    ref = [m.clone() for m in mains]
+    for m in mains:
+        m.zero_()
+    try:
+        fused()
+        diff = max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(ref, mains))
+        row = ("wgrad accumulate (4 linears)", "addmm into fp32 main_grad", timed(fused), diff)
+    except Exception as e:  # noqa: BLE001
+        row = ("wgrad accumulate (4 linears)", f"addmm out_dtype unavailable: {str(e)[:120]}", float("nan"),
+               float("nan"))
+    return [("wgrad accumulate (4 linears)", "mm to bf16 + main_grad.add_", timed(unfused), 0.0), row]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="qwen2.5-1.5b", choices=[s for s in SHAPES if s != "tiny"])
+    parser.add_argument("--budget", type=int, default=16384)
+    parser.add_argument("--cudnn", action="store_true",
+                        help="also cuDNN attention (its ragged path is experimental in PyTorch: run it apart)")
+    args = parser.parse_args()
+    shape, micro = SHAPES[args.shape], packs(args.budget)
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}; "
+          f"{args.shape}: {len(micro)} packs, {sum(map(sum, micro))} tokens")
+    rows = rope_rows(shape, micro) + wgrad_rows(shape, micro) + attention_rows(shape, micro, args.cudnn)
+    print(f"{'what':30} {'path':45} {'ms/layer':>9} {'max diff':>9}")
+    for what, path, t, diff in rows:
+        print(f"{what:30} {path:45} {t * 1e3:9.3f} {diff:9.2e}")
+
+
+if __name__ == "__main__":
+    main()
