@@ -244,6 +244,22 @@ def test_compiled_rope_matches_float64_rotation():
     assert _rel(q.grad, qd.grad) < 4e-3 and _rel(k.grad, kd.grad) < 4e-3
 
 
+def test_weight_gradient_accumulates_in_the_gemm():
+    """The stand-in for apex's wgrad_gemm_accum_fp32: main_grad += grad_output^T @ input from bf16 inputs,
+    accumulated in float32 (no bf16 rounding of the product), against float64."""
+    from megacritic.model.value_model import _WeightGradAccumulation, enable_weight_grad_accumulation_fusion
+
+    assert enable_weight_grad_accumulation_fusion()  # PyTorch >= 2.9 on CUDA: Megatron's layers accept it
+    torch.manual_seed(0)
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
+    main_grad = torch.randn(768, 512, device="cuda")
+    ref = main_grad.double() + g.double().t() @ x.double()
+    _WeightGradAccumulation.wgrad_gemm_accum_fp32(x, g, main_grad)
+    assert main_grad.dtype == torch.float32
+    assert _rel(main_grad, ref) < 1e-5  # float32 accumulation; a bf16 product would be ~2e-3 off
+
+
 def test_fused_adamw_resumes_from_checkpoint(tmp_path):
     """A checkpoint written with the fused AdamW resumes (``step`` back on the device) and continues
     exactly like the uninterrupted run."""

@@ -60,9 +60,10 @@ class _WeightGradAccumulation:
         main_grad.addmm_(grad_output.t(), total_input)
 
 
-def weight_grad_accumulation_fusion() -> bool:
-    """Whether Megatron's linear layers can accumulate weight gradients inside the GEMM: with apex, or with
-    PyTorch's mixed-precision ``addmm`` standing in for it (CUDA only)."""
+def enable_weight_grad_accumulation_fusion() -> bool:
+    """Let Megatron's linear layers accumulate weight gradients inside the GEMM: with apex's kernel when
+    installed, else with PyTorch's mixed-precision ``addmm`` standing in for it (CUDA only). Returns
+    whether they can."""
     if not torch.cuda.is_available():
         return False
     if not tp_layers._grad_accum_fusion_available:
@@ -169,7 +170,7 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=fused and weight_grad_accumulation_fusion(),
+        gradient_accumulation_fusion=fused and enable_weight_grad_accumulation_fusion(),
     )
 
 
