@@ -142,13 +142,15 @@ class MegatronConfig:
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     param_offload: bool = False
     """Keep parameters in pinned host memory between calls (GPU only), so a colocated rollout engine can
-    use the device memory; compute_values brings back only these."""
+    use the device memory; compute_values brings back only these. Host memory: 2 bytes per parameter of
+    this rank (bf16), 4 in float32."""
     grad_offload: bool = False
     """Release the gradient buffers between calls (they are re-created, zeroed, at the next update)."""
     optimizer_offload: bool = False
     """Keep optimizer state (fp32 main parameters and Adam moments) in pinned host memory between calls;
     only update_critic brings it back. With float32 parameters the main parameters are the model's own,
-    and move with param_offload."""
+    and move with param_offload. Host memory: 12 bytes per parameter of this rank's optimizer shard
+    (8 with float32 parameters), pinned."""
     expert_model_parallel_size: int = 1
     """Expert parallelism (MoE models): the routed experts of each layer are split over this many ranks,
     taken from the data-parallel ranks (it must divide world size / (tensor x pipeline parallel)); tokens
