@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megacritic.batch import BatchError, Rollouts
@@ -44,7 +43,7 @@ from megacritic.partition import fixed_partitions, token_budget_partitions
 @dataclass
 class MicroBatch:
     input_ids: Tensor         # [b, s] padded, or [1, t] packed (this rank's t / CP with context parallelism)
-    packed: PackedSeqParams | None  # rollout boundaries (cu_seqlens) when packed
+    packed: Pack | None  # rollout boundaries (cu_seqlens) when packed
     position_ids: Tensor | None  # [1, t] position of each packed token within its rollout (None: padded)
     value_index: Tensor       # [b, R] index of each response token's value in this rank's flattened output
     value_mask: Tensor        # [b, R] 1 on real response tokens (0 on padding and dummy rows)

@@ -285,16 +285,12 @@ class CriticWorker:
         finally:
             self.offload(unchanged=brought_back if read_only else ())
 
-    def _offload_flags(self) -> dict[str, bool]:
-        mg = self.config.megatron
-        return {"params": mg.param_offload, "grads": mg.grad_offload, "optimizer": mg.optimizer_offload}
-
     def offload(self, unchanged=()) -> None:
         """Move what megatron.{param,grad,optimizer}_offload name to host memory (pinned; gradient buffers are
         released, not copied) and release the device memory; parts already on the host stay there. Nothing
         to move on CPU. ``unchanged``: parts only read since their onload (freed without a copy)."""
-        critic = self._require_model()
-        flags = self._offload_flags()
+        critic, mg = self._require_model(), self.config.megatron
+        flags = {"params": mg.param_offload, "grads": mg.grad_offload, "optimizer": mg.optimizer_offload}
         todo = [part for part in OFFLOAD_PARTS if flags[part] and part not in self._on_host]
         if self.layout.device.type != "cuda" or not todo:
             return
