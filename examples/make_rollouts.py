@@ -1,7 +1,7 @@
 """Generate examples/rollouts.jsonl: 256 synthetic rollouts whose reward a tiny critic can learn.
 
 Vocabulary of 64 token ids; prompts of 4-16 tokens and responses of 4-32 tokens, drawn uniformly. Each
-rollout's ``score`` (placed on its last response token by ``megacritic.rollout_file``) is the fraction of
+rollout's ``score`` (placed on its last response token by ``megacritic.data.rollout_file``) is the fraction of
 its prompt tokens whose id is below 32: the response tokens do not matter, so with gamma = lam = 1 every
 response token's return is that fraction, a function of the prompt that the critic sees at every
 response position. Deterministic (Python's ``random.Random`` with a fixed seed): running it again

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megacritic.advantages import compute_gae, masked_whiten
-from megacritic.batch import BatchError
+from megacritic.data.rollouts import BatchError
 
 
 def reference_gae(rewards, values, mask, gamma, lam):

@@ -12,7 +12,7 @@ def test_rollouts_are_verl_layout_and_long_tailed():
     r_len = batch["attention_mask"][:, 1024:].sum(1).float()
     assert r_len.min() >= 16 and r_len.max() <= 8192
     assert 600 < r_len.median() < 1600  # median near 1024
-    from megacritic.batch import rollouts_from_batch
+    from megacritic.data.rollouts import rollouts_from_batch
     rollouts_from_batch(batch, need_targets=True, vocab_size=1000)  # a valid critic batch
 
 

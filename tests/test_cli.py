@@ -71,7 +71,7 @@ def test_export_hf_from_checkpoint_matches_the_critic(tmp_path):
     import torch
 
     from megacritic import CriticWorker, load_config
-    from megacritic.data import SyntheticRollouts
+    from megacritic.data.sources import SyntheticRollouts
 
     args = ["data.rollouts_per_step=16", "ppo_mini_batch_size=8", "trainer.steps=2", "trainer.save_every=2"]
     proc, out = _train(args, tmp_path)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megacritic import CriticWorker, load_config
-from megacritic.data import SyntheticRollouts
+from megacritic.data.sources import SyntheticRollouts
 
 BASE = ["data.rollouts_per_step=8", "model.num_hidden_layers=2", "data.response_length=[2,10]", "shuffle=false",
         "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=64"]

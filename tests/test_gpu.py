@@ -45,7 +45,8 @@ def test_context_parallel_varlen_attention_matches_exact_attention():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megacritic.batching import context_parallel_split, round_up
+    from megacritic.packing.context_parallel import context_parallel_split
+    from megacritic.packing.pack import round_up
     from megacritic.config import ModelConfig
     from megacritic.model import layers
     from megacritic.model.value_model import transformer_config
@@ -82,7 +83,7 @@ def test_context_parallel_varlen_attention_matches_exact_attention():
 
 def test_bf16_packed_and_padded_agree():
     from megacritic import CriticWorker, load_config
-    from megacritic.data import SyntheticRollouts
+    from megacritic.data.sources import SyntheticRollouts
 
     base = ["model.dtype=bfloat16", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=256",
             "data.rollouts_per_step=32", "ppo_mini_batch_size=16", "model.hidden_size=256",
@@ -109,7 +110,7 @@ def test_offload_frees_device_memory_and_keeps_results(dtype, distributed):
     brings back only the parameters, and results equal the resident critic's. Float32 without the
     distributed optimizer is the layout where the optimizer's main parameters are the model's own."""
     from megacritic import CriticWorker, load_config
-    from megacritic.data import SyntheticRollouts
+    from megacritic.data.sources import SyntheticRollouts
 
     overrides = [f"model.dtype={dtype}", f"megatron.use_distributed_optimizer={distributed}",
                  "model.hidden_size=1024", "model.intermediate_size=4096",
@@ -157,7 +158,7 @@ def test_alternating_calls_keep_device_memory_flat():
     """100 alternating compute_values / update_critic calls after a warm-up: live device memory is exactly
     what it was (no tensor outlives its call on the GPU), and the allocator's reserve does not grow."""
     from megacritic import CriticWorker, load_config
-    from megacritic.data import SyntheticRollouts
+    from megacritic.data.sources import SyntheticRollouts
 
     worker = CriticWorker(load_config(_small_critic(["model.dtype=bfloat16"])))
     worker.init_model()
@@ -196,7 +197,7 @@ def test_fused_kernels_match_eager_in_float32():
     gradients is amplified by Adam's first, sign-like updates (m / sqrt(v) = +-1): measured ~1e-5 on the
     following losses, so later steps use the parity suite's multi-step bound of 1e-3."""
     from megacritic import CriticWorker, load_config
-    from megacritic.data import SyntheticRollouts
+    from megacritic.data.sources import SyntheticRollouts
 
     runs = {}
     for fused in (True, False):
@@ -264,7 +265,7 @@ def test_fused_adamw_resumes_from_checkpoint(tmp_path):
     """A checkpoint written with the fused AdamW resumes (``step`` back on the device) and continues
     exactly like the uninterrupted run."""
     from megacritic import CriticWorker, load_config
-    from megacritic.data import SyntheticRollouts
+    from megacritic.data.sources import SyntheticRollouts
 
     config = load_config(_small_critic(["model.dtype=float32"]))
     worker = CriticWorker(config)
@@ -327,7 +328,7 @@ def test_moe_critic_runs_on_the_gpu_in_both_precisions():
     # Float32 without the distributed optimizer is the path where the routers' and shared-expert gates'
     # host-built weights are not moved by Megatron's parameter buffers; bf16 must agree with it.
     from megacritic import CriticWorker, load_config
-    from megacritic.data import SyntheticRollouts
+    from megacritic.data.sources import SyntheticRollouts
 
     base = ["model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=128",
             "model.shared_expert_intermediate_size=256", "model.hidden_size=256", "model.intermediate_size=512",

@@ -6,7 +6,7 @@ import warnings
 # them (its attention, norm and optimizer paths are chosen for that), so the notices only mislead.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
 
-from megacritic.batch import BatchError  # noqa: E402
+from megacritic.data.rollouts import BatchError  # noqa: E402
 from megacritic.config import ConfigError, CriticConfig, load_config  # noqa: E402
 from megacritic.critic import MegatronPPOCritic  # noqa: E402
 from megacritic.worker import CriticWorker  # noqa: E402

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megacritic.batch import BatchError
+from megacritic.data.rollouts import BatchError
 
 __all__ = ["compute_gae", "masked_mean", "masked_var", "masked_whiten"]
 

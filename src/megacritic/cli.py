@@ -39,8 +39,8 @@ from megacritic.checkpoint import CheckpointError, latest_checkpoint, read_train
 from megacritic.config import (ConfigError, expert_ffn_size, load_config, moe_layer_pattern,  # noqa: E402
                                shared_expert_size, to_dict)
 from megacritic.advantages import compute_gae  # noqa: E402
-from megacritic.batch import BatchError  # noqa: E402
-from megacritic.data import rollout_source  # noqa: E402
+from megacritic.data.rollouts import BatchError  # noqa: E402
+from megacritic.data.sources import rollout_source  # noqa: E402
 from megacritic.plots import plot_training_curves  # noqa: E402
 from megacritic.worker import CriticWorker  # noqa: E402
 

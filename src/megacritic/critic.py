@@ -1,8 +1,8 @@
 """MegatronPPOCritic: values of rollout tokens, and PPO value-function updates, on Megatron-Core.
 
-The path of a batch: checked (:mod:`megacritic.batch`) and broadcast from the last pipeline rank ->
+The path of a batch: checked (:mod:`megacritic.data.rollouts`) and broadcast from the last pipeline rank ->
 split into mini-batches (epochs, seeded shuffle) -> loss weights computed over the whole mini-batch
-(:mod:`megacritic.losses`) -> this data-parallel rank's shard -> micro-batches (:mod:`megacritic.batching`)
+(:mod:`megacritic.losses`) -> this data-parallel rank's shard -> micro-batches (:mod:`megacritic.packing.micro_batches`)
 -> Megatron's pipeline schedule (forward, loss, backward, gradient reduction) -> optimizer step ->
 metrics reduced once per step.
 """
@@ -22,11 +22,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 from megatron.core.transformer.moe.router import TopKRouter
 
-from megacritic.batch import BatchError, Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch
-from megacritic.batching import MicroBatch, build_micro_batch, pack_length, plan_micro_batches, round_up
+from megacritic.data.rollouts import BatchError, Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch
+from megacritic.packing.micro_batches import MicroBatch, build_micro_batch, plan_micro_batches
+from megacritic.packing.pack import pack_length, round_up
 from megacritic.config import CriticConfig, moe_layer_pattern
 from megacritic.losses import STAT_KEYS, metrics_from_sums, stack_stats, token_weights, value_loss_and_stats
-from megacritic.partition import reverse_index
+from megacritic.packing.partition import reverse_index
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Layout:
     sequence_parallel: bool
     device: torch.device
     dtype: torch.dtype
-    cp: int = 1  # context-parallel ranks that share each micro-batch (megacritic.batching)
+    cp: int = 1  # context-parallel ranks that share each micro-batch (megacritic.packing.micro_batches)
     cp_rank: int = 0
 
     @property

@@ -25,11 +25,12 @@ from megatron.core.timers import Timers
 from megatron.core.utils import local_multi_tensor_applier
 
 from megacritic import checkpoint
-from megacritic.backend.cpu import enable_cpu_backend
+from megacritic.compat.cpu import enable_cpu_backend
 from megacritic.config import ConfigError, CriticConfig, is_moe, to_dict, validate, validate_layout
 from megacritic.critic import Layout, MegatronPPOCritic, StepTimers
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
-from megacritic.model.weights import ExpertRanks, load_full_weights, weight_source
+from megacritic.hf.checkpoint import weight_source
+from megacritic.model.weights import ExpertRanks, load_full_weights
 from megacritic.offload import PinnedOffload
 
 
@@ -372,6 +373,6 @@ class CriticWorker:
     def export_hf(self, out_dir: str) -> None:
         """Write the critic as a Hugging Face ``*ForTokenClassification`` (num_labels=1) folder, gathered from
         any TP / PP layout. Collective: every rank calls it; rank 0 writes."""
-        from megacritic.model.hf import export_hf
+        from megacritic.hf.export import export_hf
         self.onload()
         export_hf(self._require_model().model, self.config.model, out_dir)

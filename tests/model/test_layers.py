@@ -126,8 +126,8 @@ def simulate_context_parallel(attn, q, k, v, cu, cp):
     the pack q [t, heads, d], k/v [t, groups, d] (rollout boundaries ``cu``, multiples of 2 x CP), and put
     the outputs back in pack order. The all-gather is the rank-major concatenation of every rank's keys
     and values; autograd through it sums each key's gradient over ranks, as the reduce-scatter does."""
-    from megacritic.batching import context_parallel_split
-    from megacritic.model.layers import ContextParallelPack
+    from megacritic.packing.context_parallel import context_parallel_split
+    from megacritic.packing.pack import ContextParallelPack
 
     splits = [context_parallel_split(cu, cp, r) for r in range(cp)]
     order = torch.cat([take for take, _ in splits])
@@ -150,7 +150,7 @@ def simulate_context_parallel(attn, q, k, v, cu, cp):
 def test_context_parallel_attention_matches_causal_attention(config, cp, heads, groups):
     """Output and gradients of q, k and v equal plain causal attention over each rollout (in float64)."""
     attn = SDPAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=0.3)
-    spans = [2 * cp * n for n in (1, 3, 2, 5)]  # rollouts padded to multiples of 2 x CP (megacritic.batching)
+    spans = [2 * cp * n for n in (1, 3, 2, 5)]  # rollouts padded to multiples of 2 x CP (megacritic.packing.micro_batches)
     cu = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
     t, d = int(cu[-1]), 8
     gen = torch.Generator().manual_seed(cp * 10 + groups)

@@ -21,8 +21,8 @@ import transformers as T
 
 from megacritic import CriticWorker, load_config
 from megacritic.config import ConfigError, ModelConfig, moe_layer_pattern, validate_layout
-from megacritic.data import SyntheticRollouts
-from megacritic.model.hf import export_family
+from megacritic.data.sources import SyntheticRollouts
+from megacritic.hf.config import export_family
 from megacritic.model.value_model import padded_vocab_size
 from megacritic.model.weights import ExpertRanks, hf_from_megatron, hf_shapes, megatron_tensor
 from test_hf import _copy_with, _hf_values, _perturbed, _rel, _tensors
@@ -113,7 +113,7 @@ def test_experts_cannot_be_added_to_a_dense_checkpoint(tmp_path):
 
 
 def test_a_moe_field_we_do_not_know_is_refused(hf_models, monkeypatch):
-    from megacritic.model import hf
+    from megacritic.hf import config as hf
     monkeypatch.setattr(hf, "MAPPED_FIELDS", hf.MAPPED_FIELDS - {"decoder_sparse_step"})
     with pytest.raises(ConfigError, match="decoder_sparse_step"):
         _config(hf_models["qwen2_moe"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megacritic import CriticWorker, load_config
-from megacritic.data import SyntheticRollouts
+from megacritic.data.sources import SyntheticRollouts
 
 # 8 rollouts, left-padded prompts and right-padded responses; two mini-batches of 4 = two optimizer steps.
 BASE = ["model.dtype=float32", "data.rollouts_per_step=8", "ppo_mini_batch_size=4",

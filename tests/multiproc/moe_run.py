@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megacritic import CriticWorker, load_config
-from megacritic.data import SyntheticRollouts
+from megacritic.data.sources import SyntheticRollouts
 
 # 12 rollouts: three mini-batches of 4 = three optimizer steps; micro-batches of 2 rollouts, packed.
 BASE = ["model.dtype=float32", "data.rollouts_per_step=12", "ppo_mini_batch_size=4",

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megacritic import CriticWorker, load_config
-from megacritic.data import SyntheticRollouts
+from megacritic.data.sources import SyntheticRollouts
 
 MODEL = ["model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediate_size=96",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=61",

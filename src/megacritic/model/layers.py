@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
+
+from megacritic.packing.pack import ContextParallelPack
 
 try:  # PyTorch >= 2.9: FlashAttention-2 for packed sequences (CUDA only)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -38,32 +38,6 @@ except ImportError:  # pragma: no cover - older PyTorch
 
 def _param_device(config) -> torch.device:
     return torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda", torch.cuda.current_device())
-
-
-@dataclass
-class Pack(PackedSeqParams):
-    """A packed micro-batch: Megatron's boundaries (cu_seqlens, max_seqlen) and, set by
-    :class:`megacritic.model.value_model.ValueModel` for its layers, each token's rotary cos / sin, which
-    :class:`SDPAttention` applies to queries and keys (positions restart at every rollout)."""
-
-    rotary: tuple[Tensor, Tensor] | None = None  # cos, sin: [t, 1, d] in the activations' dtype
-
-
-@dataclass
-class ContextParallelPack(Pack):
-    """A pack split over context-parallel ranks (:func:`megacritic.batching.context_parallel_split`).
-
-    The inherited fields describe the whole pack (every rollout padded to a multiple of 2 x CP; RoPE reads
-    ``max_seqlen_q``). This rank holds two chunks of every rollout, and each chunk attends to its rollout's
-    keys up to the chunk's end. The fields below lay that out for one varlen call: query chunks in this
-    rank's local pack, and each chunk's key prefix gathered into one key tensor.
-    """
-
-    chunk_cu_q: Tensor = None   # [c + 1] int32 boundaries of this rank's query chunks in its local pack
-    chunk_cu_kv: Tensor = None  # [c + 1] int32 boundaries of each chunk's key prefix in kv_index
-    kv_index: Tensor = None     # [sum of prefix lengths] long, rows of the rank-major gathered keys
-    max_chunk_q: int = 0
-    max_chunk_kv: int = 0
 
 
 class SDPAttention(MegatronModule):
@@ -91,7 +65,7 @@ class SDPAttention(MegatronModule):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> Tensor:
         if packed_seq_params is not None:
-            if query.dim() == 4:  # a pack handed to Megatron as one [t, 1] sequence (megacritic.batching)
+            if query.dim() == 4:  # a pack handed to Megatron as one [t, 1] sequence (megacritic.packing.micro_batches)
                 out = self._packed(query.squeeze(1), key.squeeze(1), value.squeeze(1), packed_seq_params)
                 return out.unsqueeze(1)
             return self._packed(query, key, value, packed_seq_params)

@@ -258,7 +258,7 @@ class ValueModel(GPTModel):
             self.output_layer = ValueHead(config, model.hidden_size)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, packed_seq_params=None, **kwargs):
-        """GPTModel's forward; for a packed micro-batch (a :class:`megacritic.model.layers.Pack`) each
+        """GPTModel's forward; for a packed micro-batch (a :class:`megacritic.packing.pack.Pack`) each
         token's rotary cos / sin, read from the table at its position within its rollout, travel with the
         pack to our core attention, which rotates queries and keys in one pass (Megatron then applies no
         RoPE of its own: see ``_preprocess``)."""
@@ -275,7 +275,7 @@ class ValueModel(GPTModel):
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
         """GPTModel's preprocessing; for a packed micro-batch without Megatron's rotary table (``forward``
-        hands RoPE to our attention). A pack reaches Megatron as one [t, 1] sequence (megacritic.batching);
+        hands RoPE to our attention). A pack reaches Megatron as one [t, 1] sequence (megacritic.packing.micro_batches);
         announced as THD, Megatron neither sizes nor slices its table by context-parallel rank."""
         if packed_seq_params is None:
             return super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,

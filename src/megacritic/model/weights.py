@@ -4,7 +4,7 @@ Every weight is defined by its full (unsharded) tensor under its Hugging Face na
 (``model.layers.3.self_attn.q_proj.weight``, ``score.weight`` ...). A rank fills each of its Megatron
 parameters by slicing the full tensors it needs for its tensor-parallel rank, so the same model comes
 out for every TP / PP / VPP layout. A source of full tensors is a callable ``full(name)``; one that also
-has ``read_slice(name, dim, start, stop)`` (a checkpoint, :mod:`megacritic.model.hf`) is asked only for the
+has ``read_slice(name, dim, start, stop)`` (a checkpoint, :mod:`megacritic.hf.config`) is asked only for the
 rows of this rank's shard, so a rank reads no more than it holds. Random initialisation draws each full
 tensor from a generator seeded by (seed, name): a rank materialises only the tensors of its own stage, one
 at a time. :func:`hf_from_megatron` is the inverse mapping, used to export.
@@ -107,14 +107,6 @@ def seeded_initializer(model: ModelConfig, seed: int) -> FullTensor:
         return torch.randn(shape, generator=gen) * std
 
     return full
-
-
-def weight_source(model: ModelConfig, seed: int) -> FullTensor:
-    """The full tensors a run starts from: the checkpoint at model.path, else the seeded initialisation."""
-    if model.path is not None:
-        from megacritic.model.hf import checkpoint_source  # transformers is imported only when needed
-        return checkpoint_source(model, seed)
-    return seeded_initializer(model, seed)
 
 
 def _read(full: FullTensor, name: str, dim: int, start: int, stop: int) -> torch.Tensor:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from megacritic.batch import BatchError
+from megacritic.data.rollouts import BatchError
 from megacritic.config import CriticConfig
-from megacritic.rollout_file import batch_indices, read_rollouts, to_batch
+from megacritic.data.rollout_file import batch_indices, read_rollouts, to_batch
 
 
 class SyntheticRollouts:

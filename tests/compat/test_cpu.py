@@ -1,4 +1,4 @@
-"""megacritic.backend.cpu: Megatron-Core sees a CPU "CUDA", the real ``torch`` stays untouched.
+"""megacritic.compat.cpu: Megatron-Core sees a CPU "CUDA", the real ``torch`` stays untouched.
 
 Enabling the backend mutates module globals of Megatron-Core, so every check runs in a fresh
 interpreter. To keep the runtime low, one interpreter runs all CUDA-absent checks (each recorded
@@ -48,7 +48,7 @@ _CPU_CHECKS = textwrap.dedent(
     ORIGINAL_ZEROS = torch.zeros
     assert not torch.cuda.is_available(), "these checks need a machine without CUDA"
 
-    import megacritic.backend.cpu as cpu
+    import megacritic.compat.cpu as cpu
 
     def _real_cuda_alloc_raises():
         try:
@@ -190,7 +190,7 @@ _PRETEND_CUDA = textwrap.dedent(
     ORIGINAL_TYPE = torch.Tensor.type
     ORIGINAL_CURRENT_DEVICE = torch.cuda.current_device
 
-    import megacritic.backend.cpu as cpu
+    import megacritic.compat.cpu as cpu
 
     @check
     def noop_with_cuda():

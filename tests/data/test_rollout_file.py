@@ -1,4 +1,4 @@
-"""Tests for megacritic.rollout_file: reading, checking and batching rollouts from JSONL and Parquet."""
+"""Tests for megacritic.data.rollout_file: reading, checking and batching rollouts from JSONL and Parquet."""
 
 import json
 import math
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megacritic.batch import BatchError, rollouts_from_batch
-from megacritic.rollout_file import (batch_indices, iterate_batches, read_rollouts, to_batch, validate_row,
+from megacritic.data.rollouts import BatchError, rollouts_from_batch
+from megacritic.data.rollout_file import (batch_indices, iterate_batches, read_rollouts, to_batch, validate_row,
                                      write_rollouts)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rollouts.jsonl"
 
 ROWS = [

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (megacritic.model.hf): config mapping and its refusals, the weight layouts
+"""Hugging Face checkpoints (megacritic.hf): config mapping and its refusals, the weight layouts
 both ways, value-head initialisation, and (slow) parity with transformers under TP / PP layouts.
 
 Every model is a tiny random one built here with transformers and saved into a temporary folder; norms,
@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from megacritic import CriticWorker, load_config
 from megacritic.config import ConfigError, ModelConfig
-from megacritic.data import SyntheticRollouts
-from megacritic.model.hf import Checkpoint, CheckpointSource
+from megacritic.data.sources import SyntheticRollouts
+from megacritic.hf.checkpoint import Checkpoint, CheckpointSource
 from megacritic.model.value_model import padded_vocab_size
 from megacritic.model.weights import hf_from_megatron, hf_shapes, megatron_tensor, seeded_initializer
 
@@ -161,7 +161,7 @@ def test_unsupported_fields_are_refused_by_name(hf_models, tmp_path, family, cha
 
 def test_a_family_field_we_do_not_know_is_refused(hf_models, monkeypatch):
     # as if a newer transformers added use_cache to the family's fields: unknown fields are never dropped
-    from megacritic.model import hf
+    from megacritic.hf import config as hf
     monkeypatch.setattr(hf, "INERT_FIELDS", {k: v for k, v in hf.INERT_FIELDS.items() if k != "use_cache"})
     _refusal(hf_models["llama"], "use_cache")
 

@@ -165,13 +165,16 @@ def mini_batch_indices(n: int, mini_batch_size: int, epochs: int, shuffle: bool,
         raise BatchError(f"batch of {n} rollouts is not a multiple of ppo_mini_batch_size ({mini_batch_size})")
     out = []
     for epoch in range(epochs):
-        if shuffle:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + call_index * 1009 + epoch)
-            order = torch.randperm(n, generator=gen)
-        else:
-            order = torch.arange(n)
+        order = seeded_permutation(n, seed, call_index=call_index, epoch=epoch) if shuffle else torch.arange(n)
         out.extend(order.split(mini_batch_size))
     return out
+
+
+def seeded_permutation(n: int, seed: int, *, call_index: int = 0, epoch: int = 0) -> Tensor:
+    """The permutation of ``range(n)`` that every shuffle of megacritic draws: the same on every rank, call
+    and machine for the same (seed, call_index, epoch)."""
+    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(call_index) * 1009 + int(epoch))
+    return torch.randperm(n, generator=gen)
 
 
 def dp_shard(rows: Tensor, dp_rank: int, dp_size: int) -> Tensor:

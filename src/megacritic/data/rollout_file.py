@@ -8,7 +8,7 @@ One rollout per row (a JSON object per line, or a Parquet row) with the fields
   response's reward, placed on its last token); a null counts as absent;
 - optionally ``values``: list of float, old values, one per response token (null: absent).
 
-Other fields are kept as they are. A bad row raises :class:`megacritic.batch.BatchError` naming the row
+Other fields are kept as they are. A bad row raises :class:`megacritic.data.rollouts.BatchError` naming the row
 (numbered from 0 in file order, plus the line number for JSONL) and the field.
 
 Typical use::
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from megacritic.batch import BatchError
+from megacritic.data.rollouts import BatchError, seeded_permutation
 
 __all__ = ["read_rollouts", "write_rollouts", "validate_row", "to_batch", "batch_indices", "iterate_batches"]
 
@@ -236,8 +236,7 @@ def batch_indices(n: int, batch_size: int, seed: int | None, epoch: int) -> list
     if seed is None:
         order = list(range(n))
     else:
-        gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(epoch))
-        order = torch.randperm(n, generator=gen).tolist()
+        order = seeded_permutation(n, seed, epoch=epoch).tolist()
     return [order[k:k + batch_size] for k in range(0, n - batch_size + 1, batch_size)]
 
 

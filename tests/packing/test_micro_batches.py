@@ -1,4 +1,4 @@
-"""Tests for megacritic.batching: micro-batch tensors (padded and packed THD layouts, value positions),
+"""Tests for megacritic.packing.micro_batches: micro-batch tensors (padded and packed THD layouts, value positions),
 the context-parallel split, and planning."""
 
 import threading
@@ -7,9 +7,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from megacritic.batch import BatchError, rollouts_from_batch
-from megacritic.batching import (MicroBatch, build_micro_batch, context_parallel_split, pack_length,
-                                 plan_micro_batches)
+from megacritic.data.rollouts import BatchError, rollouts_from_batch
+from megacritic.packing.context_parallel import context_parallel_split
+from megacritic.packing.micro_batches import MicroBatch, build_micro_batch, plan_micro_batches
+from megacritic.packing.pack import pack_length
 from megacritic.losses import token_weights
 
 VOCAB = 1000

@@ -1,16 +1,13 @@
-"""Hugging Face checkpoints: config.json -> ModelConfig, safetensors -> full tensors read per rank's shard,
-and export of the critic as a ``*ForTokenClassification`` (one label) folder.
+"""Hugging Face config.json <-> :class:`~megacritic.config.ModelConfig`.
 
-Readers: transformers' ``AutoConfig`` for config.json, because it knows each family's defaults and turns
-every generation of config.json (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``) into one form;
-``safetensors`` for tensors, opened lazily and read tensor by tensor and slice by slice, so a rank reads
-only the rows of its own shard (a stage's tensors, cut by TP) and memory stays bounded by that shard.
+transformers' ``AutoConfig`` reads config.json, because it knows each family's defaults and turns every
+generation of config.json (``rope_theta`` + ``rope_scaling``, or ``rope_parameters``) into one form.
 
 Families: llama (incl. Llama 3 RoPE scaling), qwen2, qwen3 (QK-norm), mistral, and the mixture-of-experts
-qwen2_moe (shared expert), qwen3_moe and mixtral. Every field of their
-config classes is either mapped onto :class:`~megacritic.config.ModelConfig`, checked to hold a value the
-value model computes exactly, or listed as inert below; any other (a field a newer transformers adds, or a
-checkpoint feature we cannot honour) is a :class:`~megacritic.config.ConfigError` naming the field.
+qwen2_moe (shared expert), qwen3_moe and mixtral. Every field of their config classes is either mapped onto
+:class:`~megacritic.config.ModelConfig`, checked to hold a value the value model computes exactly, or listed
+as inert below; any other (a field a newer transformers adds, or a checkpoint feature we cannot honour) is a
+:class:`~megacritic.config.ConfigError` naming the field.
 """
 
 from __future__ import annotations
@@ -20,11 +17,10 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megacritic.config import (MOE_MODEL_TYPES, ConfigError, ModelConfig, expert_ffn_size, head_dim, hf_family,
                                is_moe, moe_layer_pattern, shared_expert_size)
-from megacritic.model.weights import FullTensor, hf_from_megatron, hf_shapes, param_layer, seeded_initializer
+from megacritic.hf.checkpoint import Checkpoint, value_head_names
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
             "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
@@ -55,13 +51,11 @@ MAPPED_FIELDS = {
     "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "qkv_bias",
     "router_jitter_noise",
 }
-# Checkpoint tensors the critic does not use: the LM head (replaced by the value head), a classification
-# head unless the value head starts from it, and rotary tables old checkpoints stored (recomputed).
-_UNUSED_TENSORS = ("lm_head.weight", "lm_head.bias", "score.weight", "score.bias")
 
 
 def _fail(path: str, field: str, value, fix: str):
     raise ConfigError(f"model.path={path!r}: config.json {field}={value!r}: {fix}")
+
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -232,116 +226,6 @@ def apply_hf_config(model: ModelConfig) -> None:
         value_head_names(ckpt, model)
 
 
-# ------------------------------------------------------------------------------------------------ weights
-
-
-class Checkpoint:
-    """The tensors of a local safetensors checkpoint (one file, or shards with an index), read lazily."""
-
-    def __init__(self, folder: str | Path):
-        from safetensors import safe_open
-        self._safe_open = safe_open
-        self.folder = Path(folder)
-        index, single = self.folder / "model.safetensors.index.json", self.folder / "model.safetensors"
-        if index.is_file():
-            self.files: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
-                self.files = {name: single.name for name in f.keys()}
-        else:
-            raise ConfigError(f"model.path={str(folder)!r}: no model.safetensors or model.safetensors.index.json "
-                              "(only safetensors checkpoints are read; re-save with save_pretrained)")
-        self._handles: dict = {}
-
-    def _handle(self, name: str):
-        file = self.files[name]
-        if file not in self._handles:  # memory-mapped: opening reads only the header
-            self._handles[file] = self._safe_open(str(self.folder / file), framework="pt")
-        return self._handles[file]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Tensor ``name``, or only its rows start:stop along ``dim``."""
-        if dim is None:
-            return self._handle(name).get_tensor(name)
-        return self._handle(name).get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
-
-
-class CheckpointSource:
-    """Full tensors (by value-model name, as :func:`hf_shapes`) from the checkpoint at model.path, plus the
-    value head per model.value_head_init. Checks every name and shape up front, from headers only."""
-
-    def __init__(self, model: ModelConfig, seed: int):
-        self.ckpt = ckpt = Checkpoint(model.path)
-        path = model.path
-        # *ForCausalLM / *ForTokenClassification name the decoder "model."; a bare *Model saves without it.
-        self.prefix = "model." if "model.embed_tokens.weight" in ckpt else ""
-        expected = {n: s for n, s in hf_shapes(model).items() if not n.startswith("score.")}
-        for name, shape in expected.items():
-            stored = self._stored(name)
-            if stored not in ckpt:
-                raise ConfigError(f"model.path={path!r}: tensor {stored} is missing from the checkpoint")
-            if ckpt.shape(stored) != shape:
-                raise ConfigError(f"model.path={path!r}: tensor {stored} has shape {ckpt.shape(stored)}, "
-                                  f"config.json implies {shape}")
-        known = {self._stored(n) for n in expected} | set(_UNUSED_TENSORS)
-        extra = sorted(n for n in ckpt.files if n not in known and not n.endswith("rotary_emb.inv_freq"))
-        if extra:
-            raise ConfigError(f"model.path={path!r}: checkpoint tensor {extra[0]} (and {len(extra) - 1} more) has "
-                              f"no place in a {model.model_type} value model; the architecture differs")
-        self.head = self._value_head(model, seed)
-
-    def _stored(self, name: str) -> str:
-        return self.prefix + name[len("model."):] if name.startswith("model.") else name
-
-    def _value_head(self, model: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-        if model.value_head_init != "from_checkpoint":
-            seeded = seeded_initializer(model, seed)
-            return {"score.weight": seeded("score.weight"), "score.bias": seeded("score.bias")}
-        weight_name, bias_name = value_head_names(self.ckpt, model)
-        weight = self.ckpt.read(weight_name)
-        # *ForSequenceClassification heads have no bias: the value head's starts at zero then.
-        bias = self.ckpt.read(bias_name).reshape(1) if bias_name else torch.zeros(1, dtype=weight.dtype)
-        return {"score.weight": weight, "score.bias": bias}
-
-    def __call__(self, name: str) -> torch.Tensor:
-        if name in self.head:
-            return self.head[name]
-        return self.ckpt.read(self._stored(name))
-
-    def read_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        if name in self.head:
-            return self.head[name].narrow(dim, start, stop - start)
-        return self.ckpt.read(self._stored(name), dim, start, stop)
-
-
-def value_head_names(ckpt: Checkpoint, model: ModelConfig) -> tuple[str, str | None]:
-    """Checkpoint names of the (weight, bias or None) a from_checkpoint value head starts from: a reward
-    model's one-label ``score`` head, else a one-row ``lm_head``. Reads headers only."""
-    h = model.hidden_size
-    for head in ("score", "lm_head"):
-        if f"{head}.weight" not in ckpt:
-            continue
-        shape = ckpt.shape(f"{head}.weight")
-        if head == "lm_head" and shape[0] != 1:
-            continue  # an ordinary language-model head
-        if shape != (1, h):
-            raise ConfigError(f"model.value_head_init=from_checkpoint: {head}.weight has shape {shape} "
-                              f"(num_labels={shape[0]}); need one label, shape (1, {h})")
-        return f"{head}.weight", f"{head}.bias" if f"{head}.bias" in ckpt else None
-    raise ConfigError(f"model.value_head_init=from_checkpoint: the checkpoint at model.path={model.path!r} has "
-                      "no one-label score head (score.weight) nor a one-row lm_head.weight; use normal or zeros")
-
-
-def checkpoint_source(model: ModelConfig, seed: int) -> FullTensor:
-    return CheckpointSource(model, seed)
-
-
 # ------------------------------------------------------------------------------------------------ export
 
 
@@ -422,111 +306,3 @@ def export_config(model: ModelConfig, dtype: torch.dtype):
     cfg.dtype = dtype
     return cfg
 
-
-def _gather_expert(name: str, local: torch.Tensor, model: ModelConfig) -> list[tuple[str, list[torch.Tensor]]]:
-    """Routed-expert parameter ``name`` (local expert index) of every EP rank: (its name with the global expert
-    index, its pieces on the expert TP ranks). Collective over this rank's expert TP and EP groups."""
-    from megatron.core import parallel_state as mpu
-    etp, ep = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
-    pieces = torch.stack([local])
-    if etp > 1:
-        parts = [torch.empty_like(local) for _ in range(etp)]
-        dist.all_gather(parts, local.contiguous(), group=mpu.get_expert_tensor_parallel_group())
-        pieces = torch.stack(parts)
-    per_rank = [pieces]
-    if ep > 1:
-        per_rank = [torch.empty_like(pieces) for _ in range(ep)]
-        dist.all_gather(per_rank, pieces, group=mpu.get_expert_model_parallel_group())
-    parts = name.split(".")
-    at = parts.index("local_experts") + 1
-    local_index, per_ep = int(parts[at]), model.num_experts // ep
-    out = []
-    for r, stacked in enumerate(per_rank):
-        parts[at] = str(r * per_ep + local_index)
-        out.append((".".join(parts), list(stacked.unbind(0))))
-    return out
-
-
-@torch.no_grad()
-def export_hf(chunks: list, model: ModelConfig, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
-    """Write the critic as a Hugging Face ``*ForTokenClassification`` folder (config.json + safetensors).
-
-    Collective: every rank of the world calls it. Each pipeline stage's tensors are gathered over TP on its
-    first data-parallel replica, then sent stage by stage to global rank 0, which writes one safetensors
-    shard per stage (one file for PP = 1). Memory on rank 0 is bounded by one stage's full tensors.
-    ``chunks`` may be DDP-wrapped; ``dtype`` defaults to the parameters' dtype.
-    """
-    from megatron.core import parallel_state as mpu
-    from safetensors.torch import save_file
-
-    export_family(model)  # refuse on every rank before any collective
-    chunks = [getattr(chunk, "module", chunk) for chunk in chunks]
-    tp, tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
-    first_replica = mpu.get_data_parallel_rank() == 0
-    writer = first_replica and mpu.get_tensor_model_parallel_rank() == 0
-    rank = dist.get_rank()
-    device = next(chunks[0].parameters()).device
-    dtype = dtype or next(chunks[0].parameters()).dtype
-
-    # 1. This stage's full tensors, gathered over its TP group; routed experts over expert TP, then EP (the
-    #    writer is the first rank of its stage, so it is also the first expert replica).
-    tensors: dict[str, torch.Tensor] = {}
-    first_expert_replica = mpu.get_expert_data_parallel_rank() == 0
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            layer = param_layer(chunk, name)
-            if ".experts.local_experts." in name:
-                if not first_expert_replica:
-                    continue
-                for global_name, pieces in _gather_expert(name, param.data, model):
-                    if writer:
-                        for hf_name, t in hf_from_megatron(global_name, layer, pieces, model).items():
-                            tensors[hf_name] = t.to(dtype).contiguous()
-                continue
-            if not first_replica:
-                continue
-            pieces = [param.data]
-            if tp > 1:
-                pieces = [torch.empty_like(param.data) for _ in range(tp)]
-                dist.all_gather(pieces, param.data.contiguous(), group=tp_group)
-            if writer:
-                for hf_name, t in hf_from_megatron(name, layer, pieces, model).items():
-                    tensors[hf_name] = t.to(dtype).contiguous()
-
-    # 2. Every writer's tensor names and shapes, then rank 0 receives and writes stage by stage.
-    listing = [(n, tuple(t.shape)) for n, t in tensors.items()] if writer else None
-    listings = [None] * dist.get_world_size()
-    dist.all_gather_object(listings, listing)
-    stages = [(src, names) for src, names in enumerate(listings) if names is not None]
-    out = Path(out_dir)
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for k, (src, names) in enumerate(stages):
-        file = "model.safetensors" if len(stages) == 1 else f"model-{k + 1:05d}-of-{len(stages):05d}.safetensors"
-        if rank == src and src != 0:
-            for name, _ in names:
-                dist.send(tensors[name], dst=0)
-        if rank == 0:
-            shard = {}
-            for name, shape in names:
-                if src == 0:
-                    t = tensors[name]
-                else:
-                    t = torch.empty(shape, dtype=dtype, device=device)
-                    dist.recv(t, src=src)
-                shard[name] = t.cpu()
-                weight_map[name] = file
-                total += t.numel() * t.element_size()
-            save_file(shard, str(out / file), metadata={"format": "pt"})
-            del shard
-    if rank == 0:
-        missing = set(hf_shapes(model)) ^ set(weight_map)
-        if missing:
-            raise RuntimeError(f"export gathered the wrong set of tensors: {sorted(missing)[:5]}")
-        if len(stages) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        export_config(model, dtype).save_pretrained(str(out))
-    dist.barrier()

@@ -28,16 +28,16 @@ and ``loss_mask`` are zero elsewhere, so sums over the context-parallel group co
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from megacritic.batch import BatchError, Rollouts
-from megacritic.model.layers import ContextParallelPack, Pack
-from megacritic.partition import fixed_partitions, token_budget_partitions
+from megacritic.data.rollouts import BatchError, Rollouts
+from megacritic.packing.context_parallel import context_parallel_split
+from megacritic.packing.pack import ContextParallelPack, Pack, pack_multiple, rollout_spans, round_up
+from megacritic.packing.partition import fixed_partitions, token_budget_partitions
 
 
 @dataclass
@@ -169,65 +169,3 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
         ids, padding = ids.to(device), padding.to(device)
     return MicroBatch(input_ids=ids, packed=packed_params, position_ids=position_ids, rows=len(rows),
                       padding_mask=padding, tokens=int(lens.sum()), **fields)
-
-
-def round_up(n: int | Tensor, multiple: int) -> int | Tensor:
-    return -(-n // multiple) * multiple
-
-
-def rollout_spans(seq_lens: Tensor, cp_size: int) -> Tensor:
-    """Each rollout's length in the pack: with context parallelism, padded by fillers after its real
-    tokens to a multiple of 2 x CP (module doc)."""
-    return round_up(seq_lens, 2 * cp_size) if cp_size > 1 else seq_lens
-
-
-def pack_multiple(seq_multiple: int, cp_size: int) -> int:
-    """A whole pack's length must be a multiple of this: 2 x CP equal chunks per rollout (the trailing
-    dummy rollout included), and ``seq_multiple`` dividing each context-parallel rank's share."""
-    if cp_size == 1:
-        return seq_multiple
-    return math.lcm(2 * cp_size, cp_size * seq_multiple)
-
-
-def pack_length(seq_lens: Tensor, seq_multiple: int = 1, cp_size: int = 1) -> int:
-    """Length of the whole pack of rollouts with these lengths (before a context-parallel split)."""
-    return round_up(int(rollout_spans(seq_lens, cp_size).sum()), pack_multiple(seq_multiple, cp_size))
-
-
-def context_parallel_split(cu: Tensor, cp_size: int, cp_rank: int) -> tuple[Tensor, dict]:
-    """Split a pack of rollouts (boundaries ``cu``, every length a multiple of 2 x CP) over CP ranks.
-
-    Returns ``take``, the pack positions this rank holds in its local order (per rollout: chunk r, then
-    chunk 2 x CP - 1 - r), and the attention layout of :class:`ContextParallelPack`: each local chunk
-    is a query sequence whose keys are its rollout's tokens from the start up to the chunk's end, read
-    from the rank-major concatenation of every rank's local keys.
-    """
-    bounds = cu.tolist()
-    pieces = {}  # rank -> list of (rollout start, chunk offset, chunk length)
-    for rank in range(cp_size):
-        pieces[rank] = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            c = (end - start) // (2 * cp_size)
-            assert c * 2 * cp_size == end - start, "rollout spans must be multiples of 2 x CP"
-            pieces[rank] += [(start, rank * c, c), (start, (2 * cp_size - 1 - rank) * c, c)]
-
-    def positions(rank):
-        return torch.cat([torch.arange(s + o, s + o + c) for s, o, c in pieces[rank]])
-
-    gathered = torch.cat([positions(rank) for rank in range(cp_size)])  # pack position of each gathered row
-    row_of = torch.empty_like(gathered)
-    row_of[gathered] = torch.arange(len(gathered))  # pack position -> row of the gathered keys
-    mine = pieces[cp_rank]
-    prefix = [o + c for _, o, c in mine]
-    attention = dict(
-        chunk_cu_q=_cumsum([c for _, _, c in mine]),
-        chunk_cu_kv=_cumsum(prefix),
-        kv_index=torch.cat([row_of[s: s + n] for (s, _, _), n in zip(mine, prefix)]),
-        max_chunk_q=max(c for _, _, c in mine),
-        max_chunk_kv=max(prefix),
-    )
-    return positions(cp_rank), attention
-
-
-def _cumsum(lengths: list[int]) -> Tensor:
-    return torch.tensor([0, *lengths], dtype=torch.long).cumsum(0).to(torch.int32)

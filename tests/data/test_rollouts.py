@@ -1,10 +1,10 @@
-"""Tests for megacritic.batch: checking verl-layout batches, mini-batch indices and DP shards."""
+"""Tests for megacritic.data.rollouts: checking verl-layout batches, mini-batch indices and DP shards."""
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from megacritic.batch import BatchError, Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch
+from megacritic.data.rollouts import BatchError, Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch
 
 VOCAB = 50
 

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from megacritic.partition import (
+from megacritic.packing.partition import (
     fixed_partitions,
     karmarkar_karp,
     reverse_index,
