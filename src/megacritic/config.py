@@ -19,7 +19,11 @@ from typing import Any, Dict, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ATTENTION_IMPLS = ("auto", "fa4", "fa2", "sdpa")
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+SCHEDULE_UNITS = ("step", "call")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16")
 VALUE_HEAD_INITS = ("normal", "zeros", "from_checkpoint")
@@ -119,6 +123,12 @@ class ModelConfig:
     for mixture-of-experts models in bf16, each expert projection as one grouped GEMM, instead of their
     eager / multi-tensor / per-expert versions (same arithmetic, fewer kernels and passes over memory;
     figures in bench/NOTES.md). No effect on CPU."""
+    attention_impl: str = "auto"
+    """Attention kernel of packed micro-batches on GPU: fa4 (FlashAttention-4, ``flash_attn.cute``, Hopper and
+    Blackwell; the ``megacritic[hopper]`` extra), fa2 (FlashAttention-2 through torch's ``varlen_attn``), sdpa
+    (one ``scaled_dot_product_attention`` call per rollout), or auto (fa4 where it is importable and the GPU
+    supports it, else fa2). Padded micro-batches and CPU runs always use SDPA. The choice made is reported
+    in the bench rows."""
 
 
 @dataclass
@@ -169,6 +179,26 @@ class MegatronConfig:
     gradient reduction (grad_reduce) and optimizer step (optimizer), a few device synchronisations per
     step; 2 also forward / backward compute and pipeline transfer waits (pipeline_wait), synchronising
     around every micro-batch."""
+    recompute_granularity: Optional[str] = None
+    """Megatron's activation recompute (verl's override_transformer_config.recompute_granularity): None (off),
+    selective (recompute recompute_modules inside each layer in the backward pass) or full (recompute whole
+    layers, per recompute_method / recompute_num_layers). Trades compute for activation memory; values and
+    gradients are unchanged."""
+    recompute_method: Optional[str] = None
+    """With recompute_granularity=full: uniform (groups of recompute_num_layers layers, only each group's input
+    kept) or block (the first recompute_num_layers layers of each pipeline stage recomputed)."""
+    recompute_num_layers: Optional[int] = None
+    """With recompute_granularity=full: layers per group (uniform) or per stage (block)."""
+    recompute_modules: list = field(default_factory=lambda: ["core_attn"])
+    """With recompute_granularity=selective: the submodules recomputed (Megatron's names: core_attn, mlp,
+    layernorm, moe_act, shared_experts, moe)."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's CPU optimizer (hybrid device optimizer): the fp32 main parameters and Adam state of
+    optimizer_offload_fraction of the parameters live and are stepped in host memory, so bigger critics fit
+    one GPU (each step copies gradients to the host and parameters back). Different from optimizer_offload,
+    which only parks the state on the host between calls."""
+    optimizer_offload_fraction: float = 1.0
+    """Share of the parameters whose optimizer runs on the host with optimizer_cpu_offload (0 to 1]."""
 
 
 @dataclass
@@ -191,13 +221,16 @@ class OptimConfig:
     lr_decay_style: str = "constant"
     """constant, linear or cosine (decay from lr to min_lr over total_training_steps)."""
     total_training_steps: int = -1
-    """Optimizer steps the schedule spans; -1 lets the trainer derive it from trainer.steps."""
+    """Steps (in schedule_unit) the schedule spans; -1 lets the trainer derive it from trainer.steps."""
+    schedule_unit: str = "step"
+    """What advances the LR schedule: step (every optimizer step; total_training_steps and lr_warmup_steps
+    count optimizer steps) or call (every update_critic call, as verl's critic does; they count calls)."""
 
 
 @dataclass
 class DataConfig:
     """Rollouts of ``megacritic train``: a Parquet / JSONL file, or the embedded synthetic task (see
-    megacritic.data and the README's schema)."""
+    megacritic.data.sources and the README's schema)."""
 
     path: Optional[str] = None
     """Rollout file (.parquet or .jsonl; rows of prompt_ids, response_ids, token_rewards or score, optional
@@ -269,8 +302,11 @@ class CriticConfig:
     cliprange_value: float = 0.5
     """Predicted values are clipped to old_values +- cliprange_value in the value loss."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm, aggregated over
-    the whole mini-batch (all micro-batches and data-parallel ranks)."""
+    """token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm, aggregated
+    over the whole mini-batch (all micro-batches and data-parallel ranks)."""
+    loss_scale_factor: Optional[float] = None
+    """verl's divisor of seq-mean-token-sum-norm (each rollout's token sum / this); None: the batch's response
+    width. Only that mode reads it."""
     model: ModelConfig = field(default_factory=ModelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -430,7 +466,7 @@ def validate(config: CriticConfig) -> None:
     if m.path is not None:
         # The checkpoint's config.json is the architecture: fill (and cross-check) the fields from it first,
         # so every check below sees the real model. Idempotent, so validating twice is harmless.
-        from megacritic.model.hf import apply_hf_config
+        from megacritic.hf.config import apply_hf_config
         apply_hf_config(m)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
@@ -514,6 +550,23 @@ def validate(config: CriticConfig) -> None:
         _fail("cliprange_value", config.cliprange_value, "must be positive")
     if config.loss_agg_mode not in LOSS_AGG_MODES:
         _fail("loss_agg_mode", config.loss_agg_mode, f"choose one of {', '.join(LOSS_AGG_MODES)}")
+    if config.loss_scale_factor is not None and not config.loss_scale_factor > 0:
+        _fail("loss_scale_factor", config.loss_scale_factor, "must be positive, or null (the response width)")
+    if m.attention_impl not in ATTENTION_IMPLS:
+        _fail("model.attention_impl", m.attention_impl, f"choose one of {', '.join(ATTENTION_IMPLS)}")
+    if mg.recompute_granularity is not None:
+        if mg.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+            _fail("megatron.recompute_granularity", mg.recompute_granularity,
+                  f"choose one of {', '.join(RECOMPUTE_GRANULARITIES)}, or null (off)")
+        if mg.recompute_granularity == "full":
+            if mg.recompute_method not in RECOMPUTE_METHODS:
+                _fail("megatron.recompute_method", mg.recompute_method,
+                      f"recompute_granularity=full needs one of {', '.join(RECOMPUTE_METHODS)}")
+            _positive("megatron.recompute_num_layers", mg.recompute_num_layers)
+    if not 0 < mg.optimizer_offload_fraction <= 1:
+        _fail("megatron.optimizer_offload_fraction", mg.optimizer_offload_fraction, "must lie in (0, 1]")
+    if o.schedule_unit not in SCHEDULE_UNITS:
+        _fail("optim.schedule_unit", o.schedule_unit, f"choose one of {', '.join(SCHEDULE_UNITS)}")
 
     if not o.lr > 0:
         _fail("optim.lr", o.lr, "must be positive")
