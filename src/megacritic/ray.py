@@ -108,6 +108,16 @@ class _RankActor:
     def free_port(self) -> int:
         return _free_port()
 
+    def device_info(self) -> dict:
+        """The device this rank computes on, as its process sees it (for checks of the GPU assignment)."""
+        import torch
+        info = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "local_rank": os.environ.get("LOCAL_RANK"), "device": None, "uuid": None}
+        if torch.cuda.is_available() and self.worker is not None and self.worker.layout is not None:
+            device = self.worker.layout.device
+            info.update(device=str(device), uuid=str(torch.cuda.get_device_properties(device).uuid))
+        return info
+
     def setup(self, config: CriticConfig, rank: int, world_size: int, master_addr: str, master_port: int):
         # Before the worker touches torch.distributed or CUDA: its env:// path reads these.
         os.environ.update(_device_env([str(g) for g in ray.get_gpu_ids()]))
@@ -336,6 +346,10 @@ class CriticGroup:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def device_info(self) -> list[dict]:
+        """Per rank: CUDA_VISIBLE_DEVICES, LOCAL_RANK, and (after init_model) its torch device and GPU UUID."""
+        return self._collect([a.device_info.remote() for a in self._actors], None, operation="device_info")
+
     def _inject_failure(self, rank: int, operation: str) -> None:
         """Test hook: rank ``rank`` raises at the start of its next ``operation`` call (e.g. "update_critic"),
         while the other ranks go on into that call's collectives."""
@@ -370,6 +384,7 @@ class CriticGroup:
     def _collect(self, refs: list, timeout: float | None, operation: str | None = None) -> list:
         """Every rank's answer to ``refs``, in rank order. Also watches the calls sent earlier and not yet
         read: a failure anywhere tears the group down at once. ``operation`` names untracked refs."""
+        self._check_alive()  # a group torn down by another call's failure has no results to give
         untracked = {ref: (rank, operation) for rank, ref in enumerate(refs) if ref not in self._pending
                      and ref not in self._received}
         self._pending.update(untracked)
