@@ -109,6 +109,15 @@ def runs(cluster, tmp_path_factory):
                 run["folder"] = group.save_checkpoint(str(root), 7, {"iteration": 7})
             elif name == "tp2":
                 run["state"] = group.load_checkpoint(out["dp2"]["folder"])
+            elif name == "pp2":  # collectives over the pipeline stages
+                group.offload()  # nothing to move on CPU, but every rank answers
+                group.onload(("params",))
+                group.export_hf(str(root / "hf"))
+                run["exported"] = sorted(p.name for p in (root / "hf").iterdir())
+            if name == "tp2":  # futures read out of order
+                first, second = group.compute_values_async(batch), group.compute_values_async(extra)
+                run["second"], run["first"] = second.get(timeout=120), first.get(timeout=120)
+                run["extra"] = group.compute_values(extra)
             if name in ("dp2", "tp2"):
                 run["values_ckpt"] = group.compute_values(batch)
                 run["metrics_ckpt"] = group.update_critic(_batch(config, 2, group.compute_values(extra)))
@@ -127,6 +136,12 @@ def test_group_matches_single_process(runs, reference, layout):
         assert _rel(got["metrics"][key], reference["metrics"][key]) < 1e-3, key
     assert _rel(got["values_after"], torch.tensor(reference["values_after"])) < 1e-3
     assert _rel(got["values_after"], got["values"]) > 1e-2  # the update really moved the weights
+
+
+def test_futures_and_collective_calls(runs):
+    tp2, pp2 = runs["tp2"], runs["pp2"]
+    assert torch.equal(tp2["first"], tp2["values_ckpt"]) and torch.equal(tp2["second"], tp2["extra"])
+    assert "config.json" in pp2["exported"] and any(n.endswith(".safetensors") for n in pp2["exported"])
 
 
 def test_checkpoint_saved_under_dp2_loads_under_tp2(runs):
@@ -218,7 +233,13 @@ def test_layout_refused_before_anything_is_reserved(cluster):
         CriticGroup(_config("fixed", [TP2]), num_gpus_per_node=3, num_gpus_per_actor=0)
     with pytest.raises(ConfigError, match="num_gpus_per_actor"):
         CriticGroup(_config("fixed", []), num_gpus_per_node=2, num_gpus_per_actor=2)
-    assert _ours() == ([], [])
+    pg = ray.util.placement_group([{"CPU": 0.5}])
+    try:
+        with pytest.raises(ConfigError, match=r"bundle 0 is \{'CPU': 0.5\}: too small"):
+            CriticGroup(_config("fixed", []), placement_group=pg, num_gpus_per_actor=0, num_cpus_per_actor=1)
+    finally:
+        ray.util.remove_placement_group(pg)
+    assert _wait_all_gone() == ([], [])
 
 
 def _probe(ip, node, gpus):

@@ -244,6 +244,12 @@ class CriticGroup:
             if not indices or bad or len(set(indices)) != len(indices):
                 raise ConfigError(f"bundle_indices={bundle_indices}: need distinct indices of the placement "
                                   f"group's {pg.bundle_count} bundles")
+            for i in indices:  # an actor larger than its bundle would wait for it forever
+                spec = pg.bundle_specs[i]
+                if num_gpus_per_actor > spec.get("GPU", 0) or num_cpus_per_actor > spec.get("CPU", 0):
+                    raise ConfigError(f"placement group bundle {i} is {spec}: too small for an actor of "
+                                      f"num_gpus_per_actor={num_gpus_per_actor}, "
+                                      f"num_cpus_per_actor={num_cpus_per_actor}")
             return [(pg, i) for i in indices]
         if bundle_indices is not None:
             raise ConfigError("bundle_indices needs placement_group")
