@@ -187,8 +187,9 @@ class CriticGroup:
             free port chosen there. Tests on one machine pass ``master_addr="127.0.0.1"``.
         runtime_env: Ray runtime_env of the actors (e.g. env_vars).
         name: used in placement group names and error messages.
-        call_timeout_s: longest wait for any call (including actor start and ``init_model``) before the group
-            is torn down with CriticGroupError.
+        call_timeout_s: longest wait for any call (``init_model`` included) before the group is torn down
+            with CriticGroupError.
+        start_timeout_s: longest wait for the actors to start (their processes import torch and Megatron).
         placement_timeout_s: longest wait for the placement group's resources before failing with a message
             naming them.
     """
@@ -197,7 +198,8 @@ class CriticGroup:
                  placement_group: PlacementGroup | None = None, bundle_indices: list[int] | None = None,
                  num_gpus_per_actor: float = 1.0, num_cpus_per_actor: float = 1.0,
                  master_addr: str | None = None, master_port: int | None = None, runtime_env: dict | None = None,
-                 name: str = "critic", call_timeout_s: float = 3600.0, placement_timeout_s: float = 180.0):
+                 name: str = "critic", call_timeout_s: float = 3600.0, start_timeout_s: float = 600.0,
+                 placement_timeout_s: float = 180.0):
         self.config = config if isinstance(config, CriticConfig) else load_config(list(config))
         self.name, self.call_timeout_s = name, call_timeout_s
         self._actors: list = []
@@ -221,7 +223,8 @@ class CriticGroup:
                 raise CriticGroupError(f"{name}: the given placement group ({placement_group.bundle_specs}) is not "
                                        f"ready after {placement_timeout_s:g} s (placement_timeout_s); the cluster has "
                                        f"{ray.available_resources()} free", operation="placement")
-            self._start(bundles, num_gpus_per_actor, num_cpus_per_actor, runtime_env, master_addr, master_port)
+            self._start(bundles, num_gpus_per_actor, num_cpus_per_actor, runtime_env, master_addr, master_port,
+                        start_timeout_s)
         except BaseException:
             self._teardown()
             raise
@@ -273,23 +276,24 @@ class CriticGroup:
                 f"{ray.cluster_resources()} in all, {ray.available_resources()} free", operation="placement")
         return [(pg, i) for pg in self._owned_pgs for i in range(per_node)]
 
-    def _start(self, bundles, gpus, cpus, runtime_env, master_addr, master_port) -> None:
+    def _start(self, bundles, gpus, cpus, runtime_env, master_addr, master_port, timeout_s) -> None:
         actor_cls = ray.remote(_RankActor)
         actors = [actor_cls.options(num_cpus=cpus, num_gpus=gpus, max_restarts=0, runtime_env=runtime_env,
                                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                                         pg, placement_group_bundle_index=i)).remote()
                   for pg, i in bundles]
         self._actors = actors  # (bundle order until the probe: killed by a teardown all the same)
-        probes = self._collect([a.probe.remote() for a in actors], None, operation="start (actor probe)")
+        probes = self._collect([a.probe.remote() for a in actors], timeout_s, "start (actor probe)",
+                               "start_timeout_s")
         order = rank_order(probes)
         self._actors = [actors[i] for i in order]
         self.placements = [RankPlacement(rank=r, **probes[i]) for r, i in enumerate(order)]
         check_placement(self.placements, self.config.megatron.tensor_model_parallel_size, self.name)
         addr = master_addr or self.placements[0].node_ip
-        port = master_port or self._collect([self._actors[0].free_port.remote()], None,
-                                            operation="start (free port)")[0]
+        port = master_port or self._collect([self._actors[0].free_port.remote()], timeout_s, "start (free port)",
+                                            "start_timeout_s")[0]
         self._collect([a.setup.remote(self.config, r, self.world_size, addr, int(port))
-                       for r, a in enumerate(self._actors)], None, operation="start (setup)")
+                       for r, a in enumerate(self._actors)], timeout_s, "start (setup)", "start_timeout_s")
         self.master_addr, self.master_port = addr, int(port)
 
     # ---------------------------------------------------------------- calls
@@ -387,23 +391,25 @@ class CriticGroup:
         self._pending.update({ref: (rank, operation) for rank, ref in enumerate(refs)})
         return refs
 
-    def _collect(self, refs: list, timeout: float | None, operation: str | None = None) -> list:
+    def _collect(self, refs: list, timeout: float | None, operation: str | None = None,
+                 limit: str = "the call's timeout") -> list:
         """Every rank's answer to ``refs``, in rank order. Also watches the calls sent earlier and not yet
         read: a failure anywhere tears the group down at once. ``operation`` names untracked refs."""
         self._check_alive()  # a group torn down by another call's failure has no results to give
         untracked = {ref: (rank, operation) for rank, ref in enumerate(refs) if ref not in self._pending
                      and ref not in self._received}
         self._pending.update(untracked)
+        limit = "call_timeout_s" if timeout is None else limit
         timeout = self.call_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while any(ref in self._pending for ref in refs):
             self._check_alive()
             left = deadline - time.monotonic()
-            ready = ray.wait(list(self._pending), num_returns=1, timeout=max(left, 0))[0] if left > 0 else []
+            ready = ray.wait(list(self._pending), num_returns=1, timeout=left)[0] if left > 0 else []
             if not ready:
                 late = [self._pending[r] for r in refs if r in self._pending]
                 self._fail(late[0][0], late[0][1], f"no answer from rank(s) {[r for r, _ in late]} within "
-                           f"{timeout:g} s (call_timeout_s)")
+                           f"{timeout:g} s ({limit})")
             for ref in ready:
                 rank, op = self._pending.pop(ref)
                 try:
