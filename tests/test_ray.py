@@ -266,3 +266,15 @@ def test_placement_checks():
         check_placement(placements(("a", ["0"]), ("a", ["0"])), tp=1)
     with pytest.raises(CriticGroupError, match=r"ranks 4..7 spans nodes \['a', 'b'\]"):
         check_placement(placements(*[("a", [str(i)]) for i in range(6)], ("b", ["0"]), ("b", ["1"])), tp=4)
+
+
+def test_local_rank_from_the_visible_devices(monkeypatch):
+    from megacritic.ray import _device_env
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # Ray's default: narrowed to the actor's GPU
+    assert _device_env(["3"]) == {"LOCAL_RANK": "0"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # NOSET, or a wide list left by the launcher
+    assert _device_env(["6"]) == {"LOCAL_RANK": "2"}
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert _device_env(["5"]) == {"LOCAL_RANK": "5"}
+    assert _device_env([]) == {"CUDA_VISIBLE_DEVICES": "", "LOCAL_RANK": "0"}

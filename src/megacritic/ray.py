@@ -82,15 +82,16 @@ def _device_env(gpu_ids: list[str]) -> dict[str, str]:
     """CUDA_VISIBLE_DEVICES / LOCAL_RANK for an actor given ``gpu_ids`` by Ray.
 
     By default Ray narrows CUDA_VISIBLE_DEVICES to the actor's GPU, which is then device 0. With
-    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES Ray leaves the node's list alone, and the actor's GPU is at
-    the position of its id in that list. Some launchers (Ray started under Slurm) leave the list wide
-    without that variable: every rank would pick device 0, so the list is narrowed here."""
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, or where Ray was started without narrowing (some Slurm
+    setups), the process sees the node's GPUs and every rank would pick device 0: the actor's GPU is then
+    at the position of its id in the visible list (or, with no list, at its id). LOCAL_RANK is set rather
+    than the list narrowed, since CUDA may already have read the list when megacritic was imported."""
     if not gpu_ids:
         return {"CUDA_VISIBLE_DEVICES": "", "LOCAL_RANK": "0"}  # CPU rank: gloo, even on a GPU machine
-    if os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "0") not in ("", "0"):
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-        return {"LOCAL_RANK": str(visible.index(gpu_ids[0]) if visible else int(gpu_ids[0]))}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids), "LOCAL_RANK": "0"}
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    if visible:
+        return {"LOCAL_RANK": str(visible.index(gpu_ids[0]))}
+    return {"LOCAL_RANK": str(int(gpu_ids[0]))}
 
 
 class _RankActor:
