@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml requirements-lock.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -c requirements-lock.txt -e ".[test]"
+	$(PY) -m pip install -q -c requirements-lock.txt -e ".[test,ray]"
 	touch $@
 
 # The embedded default model: a tiny Qwen2-style Hugging Face folder generated from the seed, so that
