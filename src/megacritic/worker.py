@@ -125,7 +125,7 @@ class CriticWorker:
         # 1. Distributed world and Megatron's parallel state (checked before anything is built).
         on_cpu = not torch.cuda.is_available()
         fused = cfg.model.use_fused_kernels and not on_cpu
-        compat.apply(on_cpu=on_cpu, fused=fused)
+        compat.apply(on_cpu=on_cpu, fused=fused)  # megacritic's departures from upstream megatron-core, all of them
         world = int(os.environ.get("WORLD_SIZE", 1)) if not dist.is_initialized() else dist.get_world_size()
         dp = validate_layout(cfg, world)
         self._check_schedule()
