@@ -248,9 +248,11 @@ def test_compiled_rope_matches_float64_rotation():
 def test_weight_gradient_accumulates_in_the_gemm():
     """The stand-in for apex's wgrad_gemm_accum_fp32: main_grad += grad_output^T @ input from bf16 inputs,
     accumulated in float32 (no bf16 rounding of the product), against float64."""
-    from megacritic.model.value_model import _WeightGradAccumulation, enable_weight_grad_accumulation_fusion
+    from megacritic.compat.kernels import (_WeightGradAccumulation, weight_grad_accumulation_available,
+                                           weight_grad_accumulation_in_gemm)
 
-    assert enable_weight_grad_accumulation_fusion()  # PyTorch >= 2.9 on CUDA: Megatron's layers accept it
+    weight_grad_accumulation_in_gemm()
+    assert weight_grad_accumulation_available()  # PyTorch >= 2.9 on CUDA: Megatron's layers accept it
     torch.manual_seed(0)
     x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
@@ -266,6 +268,7 @@ def test_fused_adamw_resumes_from_checkpoint(tmp_path):
     exactly like the uninterrupted run."""
     from megacritic import CriticWorker, load_config
     from megacritic.data.sources import SyntheticRollouts
+    from megacritic.optim import torch_optimizers
 
     config = load_config(_small_critic(["model.dtype=float32"]))
     worker = CriticWorker(config)
@@ -280,8 +283,7 @@ def test_fused_adamw_resumes_from_checkpoint(tmp_path):
     resumed = CriticWorker(config)
     resumed.init_model()
     resumed.load_checkpoint(folder)
-    groups = [g for inner in getattr(resumed.critic.optimizer, "chained_optimizers", [resumed.critic.optimizer])
-              for g in inner.optimizer.param_groups]
+    groups = [g for inner in torch_optimizers(resumed.critic.optimizer) for g in inner.param_groups]
     assert all(g["fused"] for g in groups)
     again = resumed.update_critic(batch)
     resumed.close()

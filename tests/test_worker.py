@@ -132,20 +132,3 @@ def test_alternating_calls_do_not_leak(worker, batch):
     grown = psutil.Process().memory_info().rss - rss
     print(f"resident memory after 100 more calls: {grown / 2**20:+.1f} MiB")
     assert grown < 32 << 20
-
-
-def test_foreach_multi_tensor_ops_compute_what_megatron_asks():
-    """The grad-norm and grad-scale kernels given to Megatron in place of its host-synchronising loops."""
-    from megacritic.worker import _foreach_l2_norm, _foreach_scale
-
-    torch.manual_seed(0)
-    grads = [torch.randn(7), torch.randn(3, 5), torch.randn(1)]
-    norm, _ = _foreach_l2_norm(0, None, [grads], False)
-    assert norm.shape == (1,) and norm.dtype == torch.float32
-    assert torch.allclose(norm, torch.cat([g.flatten() for g in grads]).double().norm().float(), rtol=1e-6)
-    scaled = [g.clone() for g in grads]
-    _foreach_scale(0, None, [scaled, scaled], 0.5)  # in place, as clip_grad_by_total_norm_fp32 calls it
-    assert all(torch.equal(s, g * 0.5) for s, g in zip(scaled, grads))
-    low = [torch.empty_like(g, dtype=torch.bfloat16) for g in grads]
-    _foreach_scale(0, None, [grads, low], 1.0)  # main params -> model params
-    assert all(torch.equal(lo, g.bfloat16()) for lo, g in zip(low, grads))

@@ -1,15 +1,34 @@
-"""megacritic: the PPO critic (value function) for LLMs on Megatron-Core."""
+"""megacritic: the PPO critic (value function) for LLMs on Megatron-Core.
 
-import warnings
+The public names are imported on first use, so the pure modules (``megacritic.losses``,
+``megacritic.advantages``, ``megacritic.config`` ...) import without Megatron-Core.
+"""
 
-# Megatron-Core announces at import that Transformer Engine and Apex are missing; megacritic does not use
-# them (its attention, norm and optimizer paths are chosen for that), so the notices only mislead.
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+from __future__ import annotations
 
-from megacritic.data.rollouts import BatchError  # noqa: E402
-from megacritic.config import ConfigError, CriticConfig, load_config  # noqa: E402
-from megacritic.critic import MegatronPPOCritic  # noqa: E402
-from megacritic.worker import CriticWorker  # noqa: E402
+import importlib
 
-__all__ = ["BatchError", "ConfigError", "CriticConfig", "CriticWorker", "MegatronPPOCritic", "load_config"]
+# public name -> the module that defines it
+_PUBLIC = {
+    "BatchError": "megacritic.data.rollouts",
+    "ConfigError": "megacritic.config",
+    "CriticConfig": "megacritic.config",
+    "load_config": "megacritic.config",
+    "MegatronPPOCritic": "megacritic.critic",
+    "CriticWorker": "megacritic.worker",
+}
+
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'megacritic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -15,7 +15,6 @@ manifest matches its files, so a truncated or corrupted checkpoint is skipped, n
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -25,6 +24,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from megacritic.compat.checkpoint import adam_step_kept_per_parameter
+from megacritic.optim import torch_optimizers
 
 MANIFEST = "MANIFEST.json"
 TRAINER_STATE = "trainer.json"
@@ -158,8 +160,7 @@ def latest_checkpoint(root: str) -> tuple[str | None, list[str]]:
 def _materialise_adam_state(optimizer) -> None:
     """torch's Adam creates its state (step, moments) at the first step; Megatron's state-dict code expects
     it to exist when loading into a fresh optimizer. Zeros here; the checkpoint overwrites them."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = inner.optimizer
+    for torch_optimizer in torch_optimizers(optimizer):
         for group in torch_optimizer.param_groups:
             for p in group["params"]:
                 state = torch_optimizer.state[p]
@@ -168,30 +169,10 @@ def _materialise_adam_state(optimizer) -> None:
                                  exp_avg_sq=torch.zeros_like(p))
 
 
-@contextlib.contextmanager
-def _adam_step_set_aside(optimizer):
-    """megatron-core 0.16 loads fully-reshardable optimizer state by copying into *every* state entry of a
-    parameter but leaves torch Adam's ``step`` out of the source (it restores ``step`` separately, from
-    the common state, as one tensor shared by all parameters). Set ``step`` aside while the per-parameter
-    state is copied, and give each parameter its own copy back: torch's multi-tensor Adam increments
-    ``step`` in place, so a shared tensor would advance once per parameter."""
-    aside = []
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in inner.optimizer.state.values():
-            if "step" in state:
-                aside.append((state, state.pop("step")))
-    try:
-        yield
-    finally:
-        for state, step in aside:
-            state["step"] = step.clone()
-
-
 def _place_adam_steps(optimizer) -> None:
     """torch's fused (and capturable) Adam keeps ``step`` on the parameter's device, the others on the
     host; the restored steps go where the optimizer's own would be."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = inner.optimizer
+    for torch_optimizer in torch_optimizers(optimizer):
         for group in torch_optimizer.param_groups:
             on_device = group.get("fused") or group.get("capturable")
             for p in group["params"]:
@@ -214,19 +195,8 @@ def load_checkpoint(folder: str, model: list, optimizer) -> dict:
     state = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True), folder)
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(state[f"model{i}"])
-    inners = getattr(optimizer, "chained_optimizers", [optimizer])
-    originals = [inner.load_parameter_state_from_fully_reshardable for inner in inners
-                 if hasattr(inner, "load_parameter_state_from_fully_reshardable")]
-    for inner, original in zip(inners, originals):
-        def load_param_state(param_state, _inner=inner, _original=original):
-            with _adam_step_set_aside(_inner):
-                _original(param_state)
-        inner.load_parameter_state_from_fully_reshardable = load_param_state  # this instance only
-    try:
+    with adam_step_kept_per_parameter(optimizer):
         optimizer.load_state_dict(state["optimizer"])
-    finally:
-        for inner in inners:
-            inner.__dict__.pop("load_parameter_state_from_fully_reshardable", None)
     _place_adam_steps(optimizer)
     with open(os.path.join(folder, TRAINER_STATE)) as f:
         trainer_state = json.load(f)

@@ -17,21 +17,20 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
-from megatron.core.optimizer import optimizer as megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.timers import Timers
-from megatron.core.utils import local_multi_tensor_applier
 
-from megacritic import checkpoint
-from megacritic.compat.cpu import enable_cpu_backend
+from megacritic import checkpoint, compat
+from megacritic.compat.kernels import use_fused_adamw
 from megacritic.config import ConfigError, CriticConfig, is_moe, to_dict, validate, validate_layout
 from megacritic.critic import Layout, MegatronPPOCritic, StepTimers
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
 from megacritic.hf.checkpoint import weight_source
 from megacritic.model.weights import ExpertRanks, load_full_weights
 from megacritic.offload import PinnedOffload
+from megacritic.optim import torch_optimizers
 
 
 def _free_port() -> int:
@@ -81,42 +80,6 @@ def init_distributed(timeout_s: int = 600) -> bool:
     return True
 
 
-def use_fused_adamw(optimizer) -> None:
-    """Without Transformer Engine or apex, Megatron builds torch's AdamW with its multi-tensor (foreach)
-    kernels; switch its groups to the fused CUDA kernel (one pass per update; bench/NOTES.md). torch
-    reads these flags at every step, and keeps ``step`` on the parameter's device for fused groups."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for group in inner.optimizer.param_groups:
-            group.update(fused=True, foreach=False)
-
-
-def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """apex's multi_tensor_l2norm as Megatron calls it: the L2 norm of all tensors, as a [1] tensor."""
-    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
-
-
-def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
-    """apex's multi_tensor_scale as Megatron calls it: dst = src * scale for every pair (dtypes may differ)."""
-    src, dst = tensor_lists
-    if all(s is d for s, d in zip(src, dst)):
-        torch._foreach_mul_(dst, scale)
-    else:
-        torch._foreach_copy_(dst, src if scale == 1.0 else torch._foreach_mul(src, scale))
-
-
-def use_foreach_multi_tensor_ops() -> None:
-    """Without Transformer Engine or apex, Megatron's grad-norm and grad-clip fall back to Python loops over
-    the tensors, and the norm reads every tensor's norm on the host: one device synchronisation per
-    parameter, ~800 per update_critic at 1.5B (``bench/profile_phase.py --sync-sites``), each draining the
-    GPU's queue. torch's foreach kernels do the same arithmetic in a few launches and no synchronisation."""
-    if clip_grads.multi_tensor_applier is not local_multi_tensor_applier:
-        return  # apex or Transformer Engine kernels are there
-    clip_grads.l2_norm_impl = _foreach_l2_norm
-    clip_grads.multi_tensor_scale_impl = _foreach_scale
-    megatron_optimizer.multi_tensor_scale_impl = _foreach_scale
-
-
 def optimizer_steps(config: CriticConfig) -> int:
     """Optimizer steps the LR schedule spans: optim.total_training_steps, or what trainer.* implies."""
     if config.optim.total_training_steps > 0:
@@ -130,10 +93,7 @@ OFFLOAD_PARTS = ("params", "grads", "optimizer")
 
 def _optimizer_tensors(optimizer):
     """The device tensors a Megatron optimizer keeps: main parameters (float32 copies) and their state."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if torch_optimizer is None:
-            continue
+    for torch_optimizer in torch_optimizers(optimizer):
         for group in torch_optimizer.param_groups:
             yield from (p for p in group["params"] if p.is_cuda)
         for state in torch_optimizer.state.values():
@@ -163,11 +123,13 @@ class CriticWorker:
     def init_model(self) -> None:
         cfg, mg = self.config, self.config.megatron
         # 1. Distributed world and Megatron's parallel state (checked before anything is built).
+        on_cpu = not torch.cuda.is_available()
+        fused = cfg.model.use_fused_kernels and not on_cpu
+        compat.apply(on_cpu=on_cpu, fused=fused)  # megacritic's departures from upstream megatron-core, all of them
         world = int(os.environ.get("WORLD_SIZE", 1)) if not dist.is_initialized() else dist.get_world_size()
         dp = validate_layout(cfg, world)
         self._check_schedule()
         self._owns_process_group = init_distributed(mg.nccl_timeout)
-        on_cpu = enable_cpu_backend()
         vpp = mg.virtual_pipeline_model_parallel_size if (mg.virtual_pipeline_model_parallel_size or 1) > 1 else None
         mpu.initialize_model_parallel(mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size,
                                       virtual_pipeline_model_parallel_size=vpp,
@@ -219,7 +181,6 @@ class CriticWorker:
         tconfig.finalize_model_grads_func = _FinalizeGrads()
 
         # 4. Optimizer (Adam, distributed over DP by default) and 5. LR schedule.
-        use_foreach_multi_tensor_ops()
         o = cfg.optim
         optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
@@ -228,7 +189,7 @@ class CriticWorker:
             clip_grad=o.clip_grad if o.clip_grad > 0 else math.inf,
             bf16=dtype == torch.bfloat16, params_dtype=dtype,
             use_distributed_optimizer=mg.use_distributed_optimizer, timers=timers), model)
-        if cfg.model.use_fused_kernels and not on_cpu:
+        if fused:
             use_fused_adamw(optimizer)
         total, warmup = self._schedule_steps()
         scheduler = OptimizerParamScheduler(

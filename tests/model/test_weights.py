@@ -8,7 +8,8 @@ import torch
 
 from megacritic.config import ModelConfig
 from megacritic.model.value_model import padded_vocab_size
-from megacritic.model.weights import _fused_qkv, hf_shapes, megatron_tensor, seeded_initializer
+from megacritic.model.weights import (TensorSource, WholeTensors, _fused_qkv, hf_from_megatron, hf_shapes,
+                                      megatron_tensor, seeded_initializer, tensor_source)
 
 # --------------------------------------------------------------------------------------------------
 # hf_shapes
@@ -140,10 +141,8 @@ def _model(heads, groups, bias=True):
 
 
 def _cases():
-    for heads, groups in CONFIGS:
-        for tp in (1, 2, 4):
-            if groups % tp == 0:
-                yield pytest.param(heads, groups, tp, id=f"h{heads}g{groups}-tp{tp}")
+    return [pytest.param(heads, groups, tp, id=f"h{heads}g{groups}-tp{tp}")
+            for heads, groups in CONFIGS for tp in (1, 2, 4) if groups % tp == 0]
 
 
 def _shards(name, layer, full, m, tp):
@@ -269,3 +268,58 @@ def test_qkv_without_attention_bias_has_no_bias_source():
     assert qkv.shape == ((4 + 2 * 2) * 2, m.hidden_size)
     with pytest.raises(KeyError):
         megatron_tensor("decoder.layers.0.self_attention.linear_qkv.bias", 0, full, m, 0, 1, 10)
+
+
+# --------------------------------------------------------------------------------------------------
+# TensorSource
+
+
+class _CountingSource:
+    """A TensorSource that records which reads it served."""
+
+    def __init__(self, tensors):
+        self.tensors, self.whole, self.slices = tensors, [], []
+
+    def __call__(self, name):
+        self.whole.append(name)
+        return self.tensors[name]
+
+    def read_slice(self, name, dim, start, stop):
+        self.slices.append(name)
+        return self.tensors[name].narrow(dim, start, stop - start)
+
+
+def test_tensor_sources():
+    m = _model(4, 2)
+    seeded = seeded_initializer(m, 3)
+    assert isinstance(seeded, TensorSource)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    assert torch.equal(seeded.read_slice(name, 1, 2, 6), seeded(name)[:, 2:6])
+    tensors, get = _arange_full(m)
+    wrapped = tensor_source(get)  # a plain function of the name
+    assert isinstance(wrapped, WholeTensors) and isinstance(wrapped, TensorSource)
+    assert torch.equal(wrapped.read_slice(name, 0, 1, 3), tensors[name][1:3])
+    counting = _CountingSource(tensors)
+    assert tensor_source(counting) is counting
+
+
+def test_sharded_parameters_read_slices_only():
+    """A TP rank asks a source that reads slices for its rows alone: whole reads only for tensors every rank
+    holds whole."""
+    m = _model(4, 2)
+    tensors, _ = _arange_full(m)
+    source = _CountingSource(tensors)
+    for local in ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.linear_fc1.weight",
+                  "mlp.linear_fc2.weight"):
+        megatron_tensor(f"decoder.layers.0.{local}", 1, source, m, 1, 2, padded_vocab_size(m.vocab_size, 2))
+    megatron_tensor("embedding.word_embeddings.weight", None, source, m, 1, 2, padded_vocab_size(m.vocab_size, 2))
+    assert source.whole == [] and len(source.slices) == 3 + 1 + 2 + 1 + 1
+    megatron_tensor("decoder.layers.0.input_layernorm.weight", 1, source, m, 1, 2, 10)
+    assert source.whole == ["model.layers.1.input_layernorm.weight"]
+
+
+def test_unknown_parameter_has_no_hf_name():
+    m = _model(4, 2)
+    for name in ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", "embedding.position_embeddings.weight"):
+        with pytest.raises(KeyError, match="no Hugging Face name"):
+            hf_from_megatron(name, 0, [torch.zeros(1)], m)

@@ -13,8 +13,9 @@ changes only what those Megatron modules see:
   as their CUDA types (for the duration of those calls only);
 * the MoE all-to-all token dispatcher gets its split sizes as the sequence of ints it gets on a GPU.
 
-It is switched on by :func:`enable_cpu_backend`, which does nothing when CUDA is available, so a
-GPU run executes upstream Megatron-Core untouched. ``tests/backend/test_cpu.py`` checks both.
+It is switched on by :func:`megacritic.compat.apply` with ``on_cpu=True`` (through
+:func:`enable_cpu_backend`, which does nothing when CUDA is available), so a GPU run executes upstream
+Megatron-Core untouched. ``tests/compat/test_cpu.py`` checks both.
 """
 
 from __future__ import annotations

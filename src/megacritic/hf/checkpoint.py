@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from megacritic.config import ConfigError, ModelConfig
-from megacritic.model.weights import FullTensor, hf_shapes, seeded_initializer
+from megacritic.model.weights import TensorSource, hf_shapes, seeded_initializer
 
 # Checkpoint tensors the critic does not use: the LM head (replaced by the value head) and a classification
 # head unless the value head starts from it (rotary tables that old checkpoints stored are skipped by name).
@@ -53,7 +53,7 @@ class Checkpoint:
         return self._handle(name).get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
 
 
-class CheckpointSource:
+class CheckpointSource:  # a megacritic.model.weights.TensorSource
     """Full tensors (by value-model name, as :func:`hf_shapes`) from the checkpoint at model.path, plus the
     value head per model.value_head_init. Checks every name and shape up front, from headers only."""
 
@@ -118,7 +118,7 @@ def value_head_names(ckpt: Checkpoint, model: ModelConfig) -> tuple[str, str | N
     raise ConfigError(f"model.value_head_init=from_checkpoint: the checkpoint at model.path={model.path!r} has "
                       "no one-label score head (score.weight) nor a one-row lm_head.weight; use normal or zeros")
 
-def weight_source(model: ModelConfig, seed: int) -> FullTensor:
+def weight_source(model: ModelConfig, seed: int) -> TensorSource:
     """The full tensors a run starts from: the checkpoint at model.path, else the seeded initialisation."""
     if model.path is not None:
         return CheckpointSource(model, seed)

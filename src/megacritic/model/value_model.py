@@ -14,14 +14,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -30,49 +28,10 @@ from megatron.core.transformer.transformer_layer import (TransformerLayer, Trans
                                                          get_transformer_layer_offset)
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from megacritic.compat.kernels import weight_grad_accumulation_available
 from megacritic.config import (ModelConfig, expert_ffn_size, head_dim, is_moe, moe_layer_pattern,
                                shared_expert_size)
 from megacritic.model.layers import GroupedExperts, RMSNorm, SDPAttention, ValueHead
-
-# megatron-core 0.16.1 bug: the router's gating matmul tests `te_general_gemm is not None`, but moe_utils
-# defines that name only when Transformer Engine imports, so without TE every router raises NameError.
-# Defining it as absent selects the plain torch.mm path the code already has.
-if not hasattr(moe_utils, "te_general_gemm"):
-    moe_utils.te_general_gemm = None
-
-
-class _WeightGradAccumulation:
-    """The two calls Megatron's linear layers make of apex's ``fused_weight_gradient_mlp_cuda`` under
-    ``gradient_accumulation_fusion``: main_grad += grad_output^T @ input as one GEMM that accumulates into
-    the float32 gradient buffer (cuBLAS, bf16 inputs, float32 C with beta = 1), instead of a bf16 weight
-    gradient that DDP's hook then adds to main_grad in a second pass (bench/NOTES.md: 11.3 -> 10.1 ms per
-    1.5B layer). PyTorch >= 2.9 exposes that GEMM as ``addmm(..., out_dtype=float32)`` on CUDA."""
-
-    @staticmethod
-    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor):
-        if total_input.dtype == torch.float32:
-            main_grad.addmm_(grad_output.t(), total_input)
-        else:
-            torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32, out=main_grad)
-
-    @staticmethod
-    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor):
-        main_grad.addmm_(grad_output.t(), total_input)
-
-
-def enable_weight_grad_accumulation_fusion() -> bool:
-    """Let Megatron's linear layers accumulate weight gradients inside the GEMM: with apex's kernel when
-    installed, else with PyTorch's mixed-precision ``addmm`` standing in for it (CUDA only). Returns
-    whether they can."""
-    if not torch.cuda.is_available():
-        return False
-    if not tp_layers._grad_accum_fusion_available:
-        if not hasattr(torch.ops.aten.addmm, "dtype_out"):
-            return False
-        tp_layers.fused_weight_gradient_mlp_cuda = _WeightGradAccumulation
-        tp_layers._grad_accum_fusion_available = True
-    return True
-
 
 def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
     """TransformerConfig fields of the MoE layers, set so that they compute what Hugging Face's Qwen2-MoE /
@@ -117,7 +76,8 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
                        dtype: torch.dtype, on_cpu: bool, variable_seq_lengths: bool, cp: int = 1, ep: int = 1,
                        etp: int | None = None) -> TransformerConfig:
     """Megatron's TransformerConfig for a Llama / Qwen2-shaped decoder (with MoE layers when
-    model.num_experts is set)."""
+    model.num_experts is set). Builds a config and changes nothing else (upstream patches are
+    :func:`megacritic.compat.apply`'s)."""
     fused = model.use_fused_kernels and not on_cpu
     return TransformerConfig(
         num_layers=model.num_hidden_layers,
@@ -170,7 +130,9 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=fused and enable_weight_grad_accumulation_fusion(),
+        # Weight gradients accumulated inside the GEMM, where Megatron's layers can (apex, or the stand-in
+        # megacritic.compat.apply installs for fused runs on CUDA).
+        gradient_accumulation_fusion=fused and weight_grad_accumulation_available(),
     )
 
 
