@@ -234,9 +234,8 @@ def test_profile_steps_write_a_chrome_trace(tmp_path):
 
 
 def test_mfu_counts_the_experts_a_token_runs_through():
-    from megacritic.bench import forward_flops
-    from megacritic.cli import _active_shape
     from megacritic.config import load_config
+    from megacritic.flops import active_shape as _active_shape, forward_flops, model_forward_flops
     dense = load_config(["model.num_hidden_layers=2"]).model
     assert _active_shape(dense)["intermediate_size"] == dense.intermediate_size
     # layer 0 dense (FFN 128), layer 1 MoE: top-2 of 4 experts of 32, a shared expert of 48, a 4-way router
@@ -246,3 +245,4 @@ def test_mfu_counts_the_experts_a_token_runs_through():
     ffn = 3 * h * (128 + 2 * 32 + 48) + h * 4
     assert forward_flops(_active_shape(moe), [10]) - forward_flops(_active_shape(dense), [10]) == \
         pytest.approx(2 * 10 * (ffn - 2 * 3 * h * 128))
+    assert model_forward_flops(moe, [10, 3]) == forward_flops(_active_shape(moe), [10, 3])

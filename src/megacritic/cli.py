@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -34,13 +33,12 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from megacritic.bench import PEAK_FLOPS, forward_flops, machine_kind  # noqa: E402
 from megacritic.checkpoint import CheckpointError, latest_checkpoint, read_trainer_state  # noqa: E402
-from megacritic.config import (ConfigError, expert_ffn_size, load_config, moe_layer_pattern,  # noqa: E402
-                               shared_expert_size, to_dict)
+from megacritic.config import ConfigError, load_config, to_dict  # noqa: E402
 from megacritic.advantages import compute_gae  # noqa: E402
 from megacritic.data.rollouts import BatchError  # noqa: E402
 from megacritic.data.sources import rollout_source  # noqa: E402
+from megacritic.flops import model_forward_flops, peak_flops  # noqa: E402
 from megacritic.plots import plot_training_curves  # noqa: E402
 from megacritic.worker import CriticWorker  # noqa: E402
 
@@ -100,20 +98,7 @@ def _open_log(path: str, keep_steps: int):
     return log
 
 
-def _active_shape(model) -> dict:
-    """The model as forward_flops counts it. With experts, a token's FFN in an MoE layer is its top-k
-    experts, the shared expert and the router (one [h, E] matmul, a third of an FFN of width E); the FFN
-    width given is the mean of that over the layers, so the count stays exact."""
-    shape = dataclasses.asdict(model)
-    pattern = moe_layer_pattern(model)
-    if any(pattern):
-        moe = (model.num_experts_per_tok * expert_ffn_size(model) + shared_expert_size(model)
-               + model.num_experts / 3)
-        shape["intermediate_size"] = sum(moe if p else model.intermediate_size for p in pattern) / len(pattern)
-    return shape
-
-
-def _batch_metrics(batch, update_time: float, config, peak_flops: float) -> dict[str, float]:
+def _batch_metrics(batch, update_time: float, config, peak: float) -> dict[str, float]:
     """Per-iteration statistics of the values and returns (response tokens) and the update's MFU on the
     real, unpadded tokens against the device's dense bf16 peak (NaN where the peak is unknown, e.g. CPU)."""
     r = batch["responses"].shape[1]
@@ -123,8 +108,8 @@ def _batch_metrics(batch, update_time: float, config, peak_flops: float) -> dict
         x = batch[key][mask].double()
         out.update({f"critic/{key}/mean": x.mean().item(), f"critic/{key}/max": x.max().item(),
                     f"critic/{key}/min": x.min().item()})
-    flops = 3 * forward_flops(_active_shape(config.model), batch["attention_mask"].sum(1).tolist())
-    out["perf/mfu"] = flops * config.ppo_epochs / update_time / peak_flops
+    flops = 3 * model_forward_flops(config.model, batch["attention_mask"].sum(1).tolist())  # backward = 2x
+    out["perf/mfu"] = flops * config.ppo_epochs / update_time / peak
     return out
 
 
@@ -166,7 +151,7 @@ def train(config) -> dict[str, float]:
     state = _resume(worker, ckpt_root, speaker) if t.resume else {}
     first, step = state.get("iteration", 0), state.get("step", 0)
     data = rollout_source(config)
-    peak_flops = PEAK_FLOPS.get(machine_kind(), float("nan"))
+    peak = peak_flops()
     log = board = None
     if speaker:
         os.makedirs(t.output_dir, exist_ok=True)
@@ -185,7 +170,7 @@ def train(config) -> dict[str, float]:
             batch = data.batch(iteration)
             with _profiled(iteration + 1 in t.profile_steps, os.path.join(t.output_dir, "profile"), iteration + 1):
                 metrics, values_time, update_time = _critic_iteration(worker, batch, config)
-            batch_metrics = _batch_metrics(batch, update_time, config, peak_flops)
+            batch_metrics = _batch_metrics(batch, update_time, config, peak)
             for i in range(len(metrics["critic/vf_loss"])):
                 step += 1
                 last = {k: v[i] for k, v in metrics.items()}
