@@ -70,7 +70,8 @@ def test_export_hf_from_checkpoint_matches_the_critic(tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from megacritic import CriticWorker, load_config
+    from megacritic import CriticWorker
+    from megacritic.cli import train_config
     from megacritic.data.sources import SyntheticRollouts
 
     args = ["data.rollouts_per_step=16", "ppo_mini_batch_size=8", "trainer.steps=2", "trainer.save_every=2"]
@@ -81,7 +82,7 @@ def test_export_hf_from_checkpoint_matches_the_critic(tmp_path):
                              "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=600)
     assert export.returncode == 0, export.stderr[-4000:]
 
-    config = load_config(args)
+    config = train_config(args)  # the run's own config
     worker = CriticWorker(config)
     worker.init_model()
     worker.load_checkpoint(str(checkpoint))
@@ -234,15 +235,56 @@ def test_profile_steps_write_a_chrome_trace(tmp_path):
 
 
 def test_mfu_counts_the_experts_a_token_runs_through():
-    from megacritic.config import load_config
-    from megacritic.flops import active_shape as _active_shape, forward_flops, model_forward_flops
-    dense = load_config(["model.num_hidden_layers=2"]).model
-    assert _active_shape(dense)["intermediate_size"] == dense.intermediate_size
+    from megacritic.config import TINY_MODEL_OVERRIDES, load_config
+    from megacritic.flops import active_shape, forward_flops, model_forward_flops
+    dense = load_config([*TINY_MODEL_OVERRIDES, "model.num_hidden_layers=2"]).model
+    assert active_shape(dense)["intermediate_size"] == dense.intermediate_size
     # layer 0 dense (FFN 128), layer 1 MoE: top-2 of 4 experts of 32, a shared expert of 48, a 4-way router
-    moe = load_config(["model.num_hidden_layers=2", "model.num_experts=4", "model.moe_intermediate_size=32",
-                       "model.shared_expert_intermediate_size=48", "model.mlp_only_layers=[0]"]).model
+    moe = load_config([*TINY_MODEL_OVERRIDES, "model.num_hidden_layers=2", "model.num_experts=4",
+                       "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=48",
+                       "model.mlp_only_layers=[0]"]).model
     h = moe.hidden_size
     ffn = 3 * h * (128 + 2 * 32 + 48) + h * 4
-    assert forward_flops(_active_shape(moe), [10]) - forward_flops(_active_shape(dense), [10]) == \
+    assert forward_flops(active_shape(moe), [10]) - forward_flops(active_shape(dense), [10]) == \
         pytest.approx(2 * 10 * (ffn - 2 * 3 * h * 128))
-    assert model_forward_flops(moe, [10, 3]) == forward_flops(_active_shape(moe), [10, 3])
+    assert model_forward_flops(moe, [10, 3]) == forward_flops(active_shape(moe), [10, 3])
+
+
+# ------------------------------------------------------------------------------ the job's config (no run)
+
+
+def test_train_without_a_model_path_is_the_tiny_critic_with_the_fields_set():
+    from megacritic.cli import train_config
+    from megacritic.config import tiny_model
+    assert train_config([]).model == tiny_model()
+    assert train_config(["model.num_hidden_layers=4", "model.rope_theta=500000"]).model == \
+        tiny_model(num_hidden_layers=4, rope_theta=500000.0)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["trainer.save_every=-1"], "trainer.save_every"),
+    (["trainer.steps=0"], "trainer.steps"),
+    (["trainer.steps=2", "trainer.profile_steps=[3]"], "trainer.profile_steps"),
+    (["data.rollouts_per_step=24", "ppo_mini_batch_size=16"], "data.rollouts_per_step"),
+    (["model.max_position_embeddings=32", "data.prompt_length=[4,16]", "data.response_length=[4,32]"],
+     "data.response_length"),
+    (["algorithm.lam=1.5"], "algorithm.lam"),
+    (["data.prompt_length=[0,4]"], "data.prompt_length"),
+])
+def test_the_jobs_own_settings_are_checked_by_the_cli(overrides, key):
+    from megacritic.cli import train_config
+    from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, load_config
+    with pytest.raises(ConfigError) as info:
+        train_config(overrides)
+    assert str(info.value).startswith(f"{key}="), str(info.value)
+    load_config([*TINY_MODEL_OVERRIDES, *overrides])  # the library does not read them
+
+
+def test_the_cli_sets_the_schedule_length_from_trainer_steps():
+    from megacritic.cli import train_config
+    # 3 iterations x 64 rollouts / 16 per mini-batch x 2 epochs
+    assert train_config(["trainer.steps=3", "ppo_epochs=2"]).optim.total_training_steps == 24
+    assert train_config(["trainer.steps=3", "optim.schedule_unit=call"]).optim.total_training_steps == 3
+    assert train_config(["optim.total_training_steps=10"]).optim.total_training_steps == 10
+    # a decaying schedule needs its length: the CLI gives it one
+    assert train_config(["optim.lr_decay_style=cosine", "trainer.steps=5"]).optim.total_training_steps == 20

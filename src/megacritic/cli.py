@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 import warnings
 
@@ -30,11 +30,12 @@ warnings.filterwarnings("ignore", category=UserWarning,
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from megacritic.checkpoint import CheckpointError, latest_checkpoint, read_trainer_state  # noqa: E402
-from megacritic.config import ConfigError, load_config, to_dict  # noqa: E402
+from megacritic.config import TINY_MODEL, ConfigError, CriticConfig, to_dict  # noqa: E402
+from megacritic.config.load import complete, load_config, merge  # noqa: E402
+from megacritic.config.schema import fail, positive  # noqa: E402
 from megacritic.advantages import compute_gae  # noqa: E402
 from megacritic.data.rollouts import BatchError  # noqa: E402
 from megacritic.data.sources import rollout_source  # noqa: E402
@@ -59,6 +60,81 @@ def _is_communication_failure(exc: BaseException) -> bool:
     # NCCL and the rendezvous store raise DistError subclasses; gloo raises a plain RuntimeError whose
     # message carries the location in gloo's transport ("Connection closed by peer", "Timed out waiting").
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "/gloo/" in str(exc))
+
+
+def _settings(overrides: list[str], path: str | None) -> CriticConfig:
+    """The layered settings, the embedded tiny critic filling the architecture fields left unset when
+    model.path is."""
+    settings = merge(overrides, path)
+    if settings.model.path is not None:
+        return settings
+    model = dataclasses.replace(settings.model,
+                                **{k: v for k, v in TINY_MODEL.items() if getattr(settings.model, k) is None})
+    return dataclasses.replace(settings, model=model)
+
+
+def train_config(overrides: list[str], path: str | None = None) -> CriticConfig:
+    """The config of a ``megacritic train`` run: settings, the job's checks and schedule, validation."""
+    return job_config(_settings(overrides, path))
+
+
+def job_config(settings: CriticConfig) -> CriticConfig:
+    """The config of a run from its layered, not yet resolved settings: the job's checks, the LR schedule's
+    length from trainer.steps where optim.total_training_steps is unset; then model.path is read and
+    everything validated."""
+    check_job_settings(settings)
+    optim = settings.optim
+    if optim.total_training_steps == -1:
+        optim = dataclasses.replace(optim, total_training_steps=schedule_length(settings))
+    config = complete(dataclasses.replace(settings, optim=optim))
+    d, m = config.data, config.model
+    if d.prompt_length[1] + d.response_length[1] > m.max_position_embeddings:
+        fail("data.response_length", d.response_length,
+             f"prompt + response ({d.prompt_length[1]} + {d.response_length[1]}) exceed "
+             f"model.max_position_embeddings ({m.max_position_embeddings})")
+    return config
+
+
+def check_job_settings(config: CriticConfig) -> None:
+    """The checks of the job's own settings (and of the two library settings it divides by)."""
+    t, d, a = config.trainer, config.data, config.algorithm
+    positive("trainer.steps", t.steps)
+    positive("trainer.max_consecutive_skips", t.max_consecutive_skips)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= t.steps for i in t.profile_steps):
+        fail("trainer.profile_steps", t.profile_steps, f"list iterations between 1 and trainer.steps ({t.steps})")
+    if t.save_every < 0:
+        fail("trainer.save_every", t.save_every, "must be 0 (no checkpoints) or a positive number of iterations")
+    for key in ("gamma", "lam"):
+        if not 0 <= getattr(a, key) <= 1:
+            fail(f"algorithm.{key}", getattr(a, key), "must lie in [0, 1]")
+    for key in ("prompt_length", "response_length"):
+        lo_hi = getattr(d, key)
+        if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
+            fail(f"data.{key}", lo_hi, "must be [min, max] with 1 <= min <= max")
+    positive("data.rollouts_per_step", d.rollouts_per_step)
+    positive("ppo_mini_batch_size", config.ppo_mini_batch_size)
+    positive("ppo_epochs", config.ppo_epochs)
+    if d.rollouts_per_step % config.ppo_mini_batch_size:
+        fail("data.rollouts_per_step", d.rollouts_per_step,
+             f"must be a multiple of ppo_mini_batch_size ({config.ppo_mini_batch_size})")
+
+
+def schedule_length(config: CriticConfig) -> int:
+    """What the run's LR schedule spans, in optim.schedule_unit: trainer.steps update_critic calls, each of
+    data.rollouts_per_step / ppo_mini_batch_size x ppo_epochs optimizer steps."""
+    if config.optim.schedule_unit == "call":
+        return config.trainer.steps
+    return config.trainer.steps * config.data.rollouts_per_step // config.ppo_mini_batch_size * config.ppo_epochs
+
+
+def _rollouts(config: CriticConfig):
+    """The run's rollout source; a rollout file is read (and checked) before any model is built."""
+    try:
+        return rollout_source(config)
+    except BatchError as exc:
+        if config.data.path is None:
+            raise
+        raise BatchError(f"data.path={config.data.path!r}: {exc}") from None
 
 
 def _resume(worker: CriticWorker, root: str, speaker: bool) -> dict:
@@ -142,15 +218,15 @@ def _profiled(enabled: bool, folder: str, iteration: int):
 
 
 def train(config) -> dict[str, float]:
-    """Run the main job; returns the last optimizer step's metrics."""
+    """Run the job of ``config`` (from :func:`train_config`); returns the last optimizer step's metrics."""
     t = config.trainer
+    data = _rollouts(config)
     worker = CriticWorker(config)
     worker.init_model()
     speaker = dist.get_rank() == 0
     ckpt_root = os.path.join(t.output_dir, "checkpoints")
     state = _resume(worker, ckpt_root, speaker) if t.resume else {}
     first, step = state.get("iteration", 0), state.get("step", 0)
-    data = rollout_source(config)
     peak = peak_flops()
     log = board = None
     if speaker:
@@ -222,13 +298,9 @@ def export_checkpoint(checkpoint: str, out: str, overrides: list[str]) -> None:
     """Rebuild the critic a checkpoint was saved from (its own config), load it, write a HF folder."""
     saved = read_trainer_state(checkpoint)["config"]
     # The architecture is in the saved config; weights come from the checkpoint, not from model.path.
-    base = OmegaConf.create(saved)
-    base.model.path, base.model.value_head_init = None, "normal"
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(OmegaConf.to_yaml(base))
+    saved = {**saved, "model": {**saved["model"], "path": None, "value_head_init": "normal"}}
     config = load_config(["megatron.tensor_model_parallel_size=1", "megatron.pipeline_model_parallel_size=1",
-                          "megatron.virtual_pipeline_model_parallel_size=null", *overrides], f.name)
-    os.unlink(f.name)
+                          "megatron.virtual_pipeline_model_parallel_size=null", *overrides], base=saved)
     worker = CriticWorker(config)
     worker.init_model()
     try:
@@ -241,7 +313,8 @@ def export_checkpoint(checkpoint: str, out: str, overrides: list[str]) -> None:
 
 
 def init_hf(out: str, config) -> None:
-    """Write the seeded initial critic of ``config`` as a HF folder (the embedded default model)."""
+    """Write the seeded initial critic of ``config`` as a HF folder (by default the embedded tiny critic,
+    which ``make train`` then trains from)."""
     worker = CriticWorker(config)
     worker.init_model()
     try:
@@ -286,11 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export-hf":
             export_checkpoint(args.checkpoint, args.out, args.overrides)
             return 0
-        config = load_config(args.overrides, args.config)
         if args.command == "train":
-            train(config)
+            train(train_config(args.overrides, args.config))
         elif args.command == "init-hf":
-            init_hf(args.out, config)
+            init_hf(args.out, complete(_settings(args.overrides, args.config)))
     except tuple(_USER_ERRORS) as exc:
         what, code = next(v for t, v in _USER_ERRORS.items() if isinstance(exc, t))
         print(f"megacritic: {what}: {exc}", file=sys.stderr)

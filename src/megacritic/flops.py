@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from megacritic.config import ModelConfig, expert_ffn_size, moe_layer_pattern, shared_expert_size
+from megacritic.config.schema import ModelConfig, expert_ffn_size, moe_layer_pattern, shared_expert_size
 
 PEAK_FLOPS = {"nvidia-h200": 989e12, "cpu": float("nan")}  # dense bf16, spec sheet
 
