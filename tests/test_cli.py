@@ -140,7 +140,7 @@ def test_consecutive_skipped_steps_stop_the_run(tmp_path):
 
 
 def test_resumed_log_keeps_checkpointed_steps_and_drops_a_torn_line(tmp_path):
-    from megacritic.cli import _open_log
+    from megacritic.train_loop import _open_log
 
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": s, "critic/vf_loss": 0.1 * s}) + "\n" for s in (1, 2, 3, 4)]
@@ -288,3 +288,30 @@ def test_the_cli_sets_the_schedule_length_from_trainer_steps():
     assert train_config(["optim.total_training_steps=10"]).optim.total_training_steps == 10
     # a decaying schedule needs its length: the CLI gives it one
     assert train_config(["optim.lr_decay_style=cosine", "trainer.steps=5"]).optim.total_training_steps == 20
+
+
+def test_the_cli_imports_neither_the_bench_nor_megatron_before_main():
+    import os
+    # megacritic.cli alone: the root package's __init__ (which imports the worker) is bypassed
+    code = ("import sys, types, importlib, importlib.util; "
+            "p = types.ModuleType('megacritic'); "
+            "p.__path__ = list(importlib.util.find_spec('megacritic').submodule_search_locations); "
+            "sys.modules['megacritic'] = p; importlib.import_module('megacritic.cli'); "
+            "print(sorted(m for m in sys.modules if m.startswith(('megacritic.bench', 'megatron'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[]", out.stdout
+
+
+def test_main_silences_only_the_upstream_notices():
+    import warnings
+
+    from megacritic.cli import _quiet_upstream
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _quiet_upstream()
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+        warnings.warn("Apex is not installed. Falling back to Torch Norm")
+        warnings.warn("a user's own warning")
+    assert [str(w.message) for w in caught] == ["a user's own warning"]
