@@ -70,7 +70,8 @@ def test_export_hf_from_checkpoint_matches_the_critic(tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from megacritic import CriticWorker, load_config
+    from megacritic import CriticWorker
+    from megacritic.cli import train_config
     from megacritic.data.sources import SyntheticRollouts
 
     args = ["data.rollouts_per_step=16", "ppo_mini_batch_size=8", "trainer.steps=2", "trainer.save_every=2"]
@@ -81,7 +82,7 @@ def test_export_hf_from_checkpoint_matches_the_critic(tmp_path):
                              "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=600)
     assert export.returncode == 0, export.stderr[-4000:]
 
-    config = load_config(args)
+    config = train_config(args)  # the run's own config
     worker = CriticWorker(config)
     worker.init_model()
     worker.load_checkpoint(str(checkpoint))
@@ -139,7 +140,7 @@ def test_consecutive_skipped_steps_stop_the_run(tmp_path):
 
 
 def test_resumed_log_keeps_checkpointed_steps_and_drops_a_torn_line(tmp_path):
-    from megacritic.cli import _open_log
+    from megacritic.train_loop import _open_log
 
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": s, "critic/vf_loss": 0.1 * s}) + "\n" for s in (1, 2, 3, 4)]
@@ -234,15 +235,83 @@ def test_profile_steps_write_a_chrome_trace(tmp_path):
 
 
 def test_mfu_counts_the_experts_a_token_runs_through():
-    from megacritic.bench import forward_flops
-    from megacritic.cli import _active_shape
-    from megacritic.config import load_config
-    dense = load_config(["model.num_hidden_layers=2"]).model
-    assert _active_shape(dense)["intermediate_size"] == dense.intermediate_size
+    from megacritic.config import TINY_MODEL_OVERRIDES, load_config
+    from megacritic.flops import active_shape, forward_flops, model_forward_flops
+    dense = load_config([*TINY_MODEL_OVERRIDES, "model.num_hidden_layers=2"]).model
+    assert active_shape(dense)["intermediate_size"] == dense.intermediate_size
     # layer 0 dense (FFN 128), layer 1 MoE: top-2 of 4 experts of 32, a shared expert of 48, a 4-way router
-    moe = load_config(["model.num_hidden_layers=2", "model.num_experts=4", "model.moe_intermediate_size=32",
-                       "model.shared_expert_intermediate_size=48", "model.mlp_only_layers=[0]"]).model
+    moe = load_config([*TINY_MODEL_OVERRIDES, "model.num_hidden_layers=2", "model.num_experts=4",
+                       "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=48",
+                       "model.mlp_only_layers=[0]"]).model
     h = moe.hidden_size
     ffn = 3 * h * (128 + 2 * 32 + 48) + h * 4
-    assert forward_flops(_active_shape(moe), [10]) - forward_flops(_active_shape(dense), [10]) == \
+    assert forward_flops(active_shape(moe), [10]) - forward_flops(active_shape(dense), [10]) == \
         pytest.approx(2 * 10 * (ffn - 2 * 3 * h * 128))
+    assert model_forward_flops(moe, [10, 3]) == forward_flops(active_shape(moe), [10, 3])
+
+
+# ------------------------------------------------------------------------------ the job's config (no run)
+
+
+def test_train_without_a_model_path_is_the_tiny_critic_with_the_fields_set():
+    from megacritic.cli import train_config
+    from megacritic.config import tiny_model
+    assert train_config([]).model == tiny_model()
+    assert train_config(["model.num_hidden_layers=4", "model.rope_theta=500000"]).model == \
+        tiny_model(num_hidden_layers=4, rope_theta=500000.0)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["trainer.save_every=-1"], "trainer.save_every"),
+    (["trainer.steps=0"], "trainer.steps"),
+    (["trainer.steps=2", "trainer.profile_steps=[3]"], "trainer.profile_steps"),
+    (["data.rollouts_per_step=24", "ppo_mini_batch_size=16"], "data.rollouts_per_step"),
+    (["model.max_position_embeddings=32", "data.prompt_length=[4,16]", "data.response_length=[4,32]"],
+     "data.response_length"),
+    (["algorithm.lam=1.5"], "algorithm.lam"),
+    (["data.prompt_length=[0,4]"], "data.prompt_length"),
+])
+def test_the_jobs_own_settings_are_checked_by_the_cli(overrides, key):
+    from megacritic.cli import train_config
+    from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, load_config
+    with pytest.raises(ConfigError) as info:
+        train_config(overrides)
+    assert str(info.value).startswith(f"{key}="), str(info.value)
+    load_config([*TINY_MODEL_OVERRIDES, *overrides])  # the library does not read them
+
+
+def test_the_cli_sets_the_schedule_length_from_trainer_steps():
+    from megacritic.cli import train_config
+    # 3 iterations x 64 rollouts / 16 per mini-batch x 2 epochs
+    assert train_config(["trainer.steps=3", "ppo_epochs=2"]).optim.total_training_steps == 24
+    assert train_config(["trainer.steps=3", "optim.schedule_unit=call"]).optim.total_training_steps == 3
+    assert train_config(["optim.total_training_steps=10"]).optim.total_training_steps == 10
+    # a decaying schedule needs its length: the CLI gives it one
+    assert train_config(["optim.lr_decay_style=cosine", "trainer.steps=5"]).optim.total_training_steps == 20
+
+
+def test_the_cli_imports_neither_the_bench_nor_megatron_before_main():
+    import os
+    # megacritic.cli alone: the root package's __init__ (which imports the worker) is bypassed
+    code = ("import sys, types, importlib, importlib.util; "
+            "p = types.ModuleType('megacritic'); "
+            "p.__path__ = list(importlib.util.find_spec('megacritic').submodule_search_locations); "
+            "sys.modules['megacritic'] = p; importlib.import_module('megacritic.cli'); "
+            "print(sorted(m for m in sys.modules if m.startswith(('megacritic.bench', 'megatron'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[]", out.stdout
+
+
+def test_main_silences_only_the_upstream_notices():
+    import warnings
+
+    from megacritic.cli import _quiet_upstream
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _quiet_upstream()
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+        warnings.warn("Apex is not installed. Falling back to Torch Norm")
+        warnings.warn("a user's own warning")
+    assert [str(w.message) for w in caught] == ["a user's own warning"]

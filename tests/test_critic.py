@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from megacritic import CriticWorker, load_config
+from megacritic.config import TINY_MODEL_OVERRIDES
 from megacritic.data.sources import SyntheticRollouts
 
-BASE = ["data.rollouts_per_step=8", "model.num_hidden_layers=2", "data.response_length=[2,10]", "shuffle=false",
+BASE = [*TINY_MODEL_OVERRIDES,
+        "data.rollouts_per_step=8", "model.num_hidden_layers=2", "data.response_length=[2,10]", "shuffle=false",
         "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=64"]
 
 

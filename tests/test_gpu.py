@@ -15,11 +15,11 @@ def test_varlen_attention_matches_per_sequence_sdpa():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megacritic.config import ModelConfig
+    from megacritic.config import tiny_model
     from megacritic.model import layers
     from megacritic.model.value_model import transformer_config
 
-    config = transformer_config(ModelConfig(), tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.bfloat16,
+    config = transformer_config(tiny_model(), tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.bfloat16,
                                 on_cpu=False, variable_seq_lengths=False)
     attn = layers.SDPAttention(config, 1, AttnMaskType.causal, "self")
     lens = [300, 17, 1024, 5, 600]
@@ -47,11 +47,11 @@ def test_context_parallel_varlen_attention_matches_exact_attention():
 
     from megacritic.packing.context_parallel import context_parallel_split
     from megacritic.packing.pack import round_up
-    from megacritic.config import ModelConfig
+    from megacritic.config import tiny_model
     from megacritic.model import layers
     from megacritic.model.value_model import transformer_config
 
-    config = transformer_config(ModelConfig(), tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.bfloat16,
+    config = transformer_config(tiny_model(), tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.bfloat16,
                                 on_cpu=False, variable_seq_lengths=False, cp=2)
     attn = layers.SDPAttention(config, 1, AttnMaskType.causal, "self")
     cp = 2
@@ -83,6 +83,7 @@ def test_context_parallel_varlen_attention_matches_exact_attention():
 
 def test_bf16_packed_and_padded_agree():
     from megacritic import CriticWorker, load_config
+    from megacritic.config import TINY_MODEL_OVERRIDES
     from megacritic.data.sources import SyntheticRollouts
 
     base = ["model.dtype=bfloat16", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=256",
@@ -91,7 +92,8 @@ def test_bf16_packed_and_padded_agree():
             "model.num_key_value_heads=2", "shuffle=false"]
     out = {}
     for packed in (True, False):
-        worker = CriticWorker(load_config(base + [f"model.use_remove_padding={str(packed).lower()}"]))
+        worker = CriticWorker(load_config([*TINY_MODEL_OVERRIDES, *base,
+                                           f"model.use_remove_padding={str(packed).lower()}"]))
         worker.init_model()
         batch = SyntheticRollouts(worker.config).batch(0)
         values = worker.compute_values(batch)
@@ -110,6 +112,7 @@ def test_offload_frees_device_memory_and_keeps_results(dtype, distributed):
     brings back only the parameters, and results equal the resident critic's. Float32 without the
     distributed optimizer is the layout where the optimizer's main parameters are the model's own."""
     from megacritic import CriticWorker, load_config
+    from megacritic.config import TINY_MODEL_OVERRIDES
     from megacritic.data.sources import SyntheticRollouts
 
     overrides = [f"model.dtype={dtype}", f"megatron.use_distributed_optimizer={distributed}",
@@ -125,7 +128,7 @@ def test_offload_frees_device_memory_and_keeps_results(dtype, distributed):
         gc.collect()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-        worker = CriticWorker(load_config(overrides + flags))
+        worker = CriticWorker(load_config([*TINY_MODEL_OVERRIDES, *overrides, *flags]))
         worker.init_model()
         resident = torch.cuda.memory_allocated() - base
         batch = SyntheticRollouts(worker.config).batch(0)
@@ -184,7 +187,9 @@ def test_alternating_calls_keep_device_memory_flat():
 
 
 def _small_critic(extra):
-    return ["model.hidden_size=256", "model.intermediate_size=512", "model.num_hidden_layers=4",
+    from megacritic.config import TINY_MODEL_OVERRIDES
+    return [*TINY_MODEL_OVERRIDES,
+            "model.hidden_size=256", "model.intermediate_size=512", "model.num_hidden_layers=4",
             "model.num_attention_heads=8", "model.num_key_value_heads=2", "data.rollouts_per_step=32",
             "ppo_mini_batch_size=16", "shuffle=false", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=512",
             *extra]
@@ -330,6 +335,7 @@ def test_moe_critic_runs_on_the_gpu_in_both_precisions():
     # Float32 without the distributed optimizer is the path where the routers' and shared-expert gates'
     # host-built weights are not moved by Megatron's parameter buffers; bf16 must agree with it.
     from megacritic import CriticWorker, load_config
+    from megacritic.config import TINY_MODEL_OVERRIDES
     from megacritic.data.sources import SyntheticRollouts
 
     base = ["model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=128",
@@ -339,8 +345,8 @@ def test_moe_critic_runs_on_the_gpu_in_both_precisions():
             "ppo_mini_batch_size=16", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=256", "shuffle=false"]
     out = {}
     for dtype, distributed in (("float32", "false"), ("bfloat16", "true")):
-        worker = CriticWorker(load_config(base + [f"model.dtype={dtype}",
-                                                  f"megatron.use_distributed_optimizer={distributed}"]))
+        worker = CriticWorker(load_config([*TINY_MODEL_OVERRIDES, *base, f"model.dtype={dtype}",
+                                           f"megatron.use_distributed_optimizer={distributed}"]))
         worker.init_model()
         batch = SyntheticRollouts(worker.config).batch(0)
         batch["values"] = values = worker.compute_values(batch)

@@ -5,9 +5,11 @@ import torch
 from tensordict import TensorDict
 
 from megacritic import BatchError, CriticWorker, load_config
+from megacritic.config import TINY_MODEL_OVERRIDES
 from megacritic.data.sources import SyntheticRollouts
 
-OVERRIDES = ["data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2",
+OVERRIDES = [*TINY_MODEL_OVERRIDES,
+             "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2",
              "ppo_epochs=2", "model.num_hidden_layers=2", "data.response_length=[2,10]"]
 
 

@@ -31,6 +31,8 @@ import time
 import torch
 from tensordict import TensorDict
 
+from megacritic.flops import PEAK_FLOPS, forward_flops, machine_kind
+
 # Qwen2.5 shapes (random weights): hidden, layers, heads, kv heads, FFN; vocab 151936, QKV bias.
 SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -45,14 +47,6 @@ SHAPES = {
 SYSTEMS = ("megacritic-packed", "megacritic-offload", "megacritic-padded", "hf-sdpa-padded")
 # What a colocated RL job runs: the packed default with its whole state in host memory between calls.
 OFFLOAD = [f"megatron.{part}_offload=true" for part in ("param", "grad", "optimizer")]
-PEAK_FLOPS = {"nvidia-h200": 989e12, "cpu": float("nan")}  # dense bf16, spec sheet
-
-
-def machine_kind() -> str:
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name().lower()
-    return "nvidia-h200" if "h200" in name else name.replace(" ", "-")
 
 
 def rollouts(n: int, vocab: int, max_prompt: int, max_response: int, seed: int = 0) -> TensorDict:
@@ -69,17 +63,6 @@ def rollouts(n: int, vocab: int, max_prompt: int, max_response: int, seed: int =
     values = returns + 0.1 * torch.randn(n, max_response, generator=gen) * mask[:, max_prompt:]
     return TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
                        "responses": ids[:, max_prompt:], "returns": returns, "values": values}, batch_size=[n])
-
-
-def forward_flops(shape: dict, seq_lens: list[int]) -> float:
-    """Forward FLOPs of the real tokens: matmuls (2 per multiply-add) plus causal attention (QK^T, PV)."""
-    h, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = shape.get("head_dim") or h // heads
-    q_dim, kv_dim = heads * d, kv * d
-    per_token = 2 * (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * shape["intermediate_size"] + h)
-    tokens = sum(seq_lens)
-    attention = sum(2 * 2 * q_dim * s * (s + 1) / 2 for s in seq_lens)
-    return shape["num_hidden_layers"] * (per_token * tokens + attention)
 
 
 class _Timer:

@@ -1,249 +1,85 @@
-"""``megacritic train``: the PPO critic phase on the embedded rollout task, under torchrun or alone.
-(``megacritic bench``, the throughput benchmark, lives in megacritic.bench.)
+"""``megacritic``: argv to a subcommand, and a failure with a known cause to one line and an exit code.
 
     python -m megacritic train [--config FILE.yaml] [dotted.key=value ...]
     torchrun --nproc_per_node 2 -m megacritic train megatron.tensor_model_parallel_size=2
+    python -m megacritic export-hf --checkpoint DIR --out DIR
+    python -m megacritic init-hf --out DIR [dotted.key=value ...]
+    python -m megacritic bench [...]
 
-Each iteration draws a rollout batch, computes its values (the old values of PPO), then updates the critic
-over ppo_epochs x mini-batches. ``<trainer.output_dir>/metrics.jsonl`` gets one JSON object per optimizer
-step; only global rank 0 writes and prints.
+The job of ``train`` is :mod:`megacritic.train_loop`; ``bench`` is :mod:`megacritic.bench`. Without
+model.path, ``train`` and ``init-hf`` use the embedded tiny critic (``megacritic.config.presets.TINY_MODEL``)
+for every architecture field left unset.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
-import math
-import os
 import sys
-import tempfile
-import time
 import warnings
 
-# Deprecation notices that Megatron-Core's own internals trigger (collective names, its config defaults,
-# its optimizer probing non-leaf .grad): nothing a CLI user can act on.
-warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-warnings.filterwarnings("ignore", category=UserWarning,
-                        module=r"megatron\.core\.(transformer\.transformer_config|optimizer\.optimizer)$")
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from megacritic.bench import PEAK_FLOPS, forward_flops, machine_kind  # noqa: E402
-from megacritic.checkpoint import CheckpointError, latest_checkpoint, read_trainer_state  # noqa: E402
-from megacritic.config import (ConfigError, expert_ffn_size, load_config, moe_layer_pattern,  # noqa: E402
-                               shared_expert_size, to_dict)
-from megacritic.advantages import compute_gae  # noqa: E402
-from megacritic.data.rollouts import BatchError  # noqa: E402
-from megacritic.data.sources import rollout_source  # noqa: E402
-from megacritic.plots import plot_training_curves  # noqa: E402
-from megacritic.worker import CriticWorker  # noqa: E402
+# These import no Megatron-Core (the train loop, the worker and checkpoints do: they are imported by the
+# subcommands, after main installed the warning filters).
+from megacritic.config import TINY_MODEL, ConfigError, CriticConfig
+from megacritic.config.load import complete, load_config, merge
+from megacritic.data.rollouts import BatchError
 
 
-def _finite_or_none(x: float):
-    return x if math.isfinite(x) else None
+def _quiet_upstream() -> None:
+    """Notices of upstream internals that a CLI user can do nothing about; installed before Megatron-Core
+    is imported (which is why the subcommands import their modules when they run)."""
+    # megacritic does not use Transformer Engine or Apex (its attention, norm and optimizer paths are chosen
+    # for that), so Megatron-Core's import-time notice that they are missing only misleads.
+    warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed")
+    # Deprecations that Megatron-Core's own internals trigger (collective names, its config defaults, its
+    # optimizer probing non-leaf .grad).
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    warnings.filterwarnings("ignore", category=UserWarning,
+                            module=r"megatron\.core\.(transformer\.transformer_config|optimizer\.optimizer)$")
 
 
-class TrainingError(RuntimeError):
-    """Training cannot usefully go on (e.g. too many skipped steps in a row)."""
+def _user_errors() -> dict[type, tuple[str, int]]:
+    """Failures with a known cause (a setting, the data, a checkpoint, a dead peer): one clean line and an
+    exit code, no traceback."""
+    from megacritic.checkpoint import CheckpointError
+    from megacritic.train_loop import CommunicationError, TrainingError
+    return {
+        ConfigError: ("config error", 2),
+        BatchError: ("data error", 2),
+        CheckpointError: ("checkpoint error", 2),
+        TrainingError: ("training stopped", 3),
+        CommunicationError: ("communication failed", 4),
+    }
 
 
-class CommunicationError(RuntimeError):
-    """A collective failed or timed out: another process died or hung."""
+def _settings(overrides: list[str], path: str | None) -> CriticConfig:
+    """The layered settings, the embedded tiny critic filling the architecture fields left unset when
+    model.path is."""
+    settings = merge(overrides, path)
+    if settings.model.path is not None:
+        return settings
+    model = dataclasses.replace(settings.model,
+                                **{k: v for k, v in TINY_MODEL.items() if getattr(settings.model, k) is None})
+    return dataclasses.replace(settings, model=model)
 
 
-def _is_communication_failure(exc: BaseException) -> bool:
-    # NCCL and the rendezvous store raise DistError subclasses; gloo raises a plain RuntimeError whose
-    # message carries the location in gloo's transport ("Connection closed by peer", "Timed out waiting").
-    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "/gloo/" in str(exc))
-
-
-def _resume(worker: CriticWorker, root: str, speaker: bool) -> dict:
-    """Trainer state of the newest intact checkpoint (empty when there is none)."""
-    folder, skipped = latest_checkpoint(root)
-    if speaker:
-        for reason in skipped:
-            print(f"megacritic: skipping checkpoint: {reason}", file=sys.stderr)
-    if folder is None:
-        if speaker:
-            print(f"megacritic: trainer.resume=true but no complete checkpoint in {root}; starting fresh",
-                  file=sys.stderr)
-        return {}
-    state = worker.load_checkpoint(folder)
-    if speaker:
-        print(f"megacritic: resumed from {folder} (iteration {state['iteration']}, step {state['step']})")
-    return state
-
-
-def _open_log(path: str, keep_steps: int):
-    """metrics.jsonl, keeping the records of the first ``keep_steps`` optimizer steps (those a resumed
-    checkpoint covers) and dropping any written after it by the interrupted run."""
-    kept = []
-    if keep_steps and os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by the crash: everything after it is newer
-                    break
-                if record["step"] <= keep_steps:
-                    kept.append(line)
-    log = open(path, "w")
-    log.writelines(kept)
-    return log
-
-
-def _active_shape(model) -> dict:
-    """The model as forward_flops counts it. With experts, a token's FFN in an MoE layer is its top-k
-    experts, the shared expert and the router (one [h, E] matmul, a third of an FFN of width E); the FFN
-    width given is the mean of that over the layers, so the count stays exact."""
-    shape = dataclasses.asdict(model)
-    pattern = moe_layer_pattern(model)
-    if any(pattern):
-        moe = (model.num_experts_per_tok * expert_ffn_size(model) + shared_expert_size(model)
-               + model.num_experts / 3)
-        shape["intermediate_size"] = sum(moe if p else model.intermediate_size for p in pattern) / len(pattern)
-    return shape
-
-
-def _batch_metrics(batch, update_time: float, config, peak_flops: float) -> dict[str, float]:
-    """Per-iteration statistics of the values and returns (response tokens) and the update's MFU on the
-    real, unpadded tokens against the device's dense bf16 peak (NaN where the peak is unknown, e.g. CPU)."""
-    r = batch["responses"].shape[1]
-    mask = batch["attention_mask"][:, -r:].bool()
-    out = {}
-    for key in ("values", "returns"):
-        x = batch[key][mask].double()
-        out.update({f"critic/{key}/mean": x.mean().item(), f"critic/{key}/max": x.max().item(),
-                    f"critic/{key}/min": x.min().item()})
-    flops = 3 * forward_flops(_active_shape(config.model), batch["attention_mask"].sum(1).tolist())
-    out["perf/mfu"] = flops * config.ppo_epochs / update_time / peak_flops
-    return out
-
-
-def _critic_iteration(worker: CriticWorker, batch, config) -> tuple[dict[str, list[float]], float, float]:
-    """One PPO iteration of the critic: values (unless the rollouts carry their producer's), GAE returns
-    (unless given), then update_critic. Returns its metrics and the two calls' seconds."""
-    start = time.perf_counter()
-    if "values" not in batch.keys():
-        batch["values"] = worker.compute_values(batch)
-    values_time = time.perf_counter() - start
-    if "returns" not in batch.keys():
-        _, batch["returns"] = compute_gae(batch["token_level_rewards"], batch["values"], batch["response_mask"],
-                                          config.algorithm.gamma, config.algorithm.lam)
-    start = time.perf_counter()
-    metrics = worker.update_critic(batch)
-    return metrics, values_time, time.perf_counter() - start
-
-
-@contextlib.contextmanager
-def _profiled(enabled: bool, folder: str, iteration: int):
-    """PyTorch profiler over one iteration (trainer.profile_steps): a Chrome trace per rank."""
-    if not enabled:
-        yield
-        return
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        yield
-    os.makedirs(folder, exist_ok=True)
-    prof.export_chrome_trace(os.path.join(folder, f"iteration_{iteration:06d}.rank{dist.get_rank()}.json"))
-
-
-def train(config) -> dict[str, float]:
-    """Run the main job; returns the last optimizer step's metrics."""
-    t = config.trainer
-    worker = CriticWorker(config)
-    worker.init_model()
-    speaker = dist.get_rank() == 0
-    ckpt_root = os.path.join(t.output_dir, "checkpoints")
-    state = _resume(worker, ckpt_root, speaker) if t.resume else {}
-    first, step = state.get("iteration", 0), state.get("step", 0)
-    data = rollout_source(config)
-    peak_flops = PEAK_FLOPS.get(machine_kind(), float("nan"))
-    log = board = None
-    if speaker:
-        os.makedirs(t.output_dir, exist_ok=True)
-        with open(os.path.join(t.output_dir, "config.json"), "w") as f:
-            json.dump(to_dict(config), f, indent=2)
-        log = _open_log(os.path.join(t.output_dir, "metrics.jsonl"), keep_steps=step)
-        if t.tensorboard:
-            from tensorboardX import SummaryWriter  # only runs that log to TensorBoard need it
-
-            board = SummaryWriter(os.path.join(t.output_dir, "tensorboard"), purge_step=step + 1)
-    bar = tqdm(range(first, t.steps), desc="critic", initial=first, total=t.steps,
-               disable=not (speaker and t.progress), dynamic_ncols=True)
-    last, skips = {}, 0
-    try:
-        for iteration in bar:
-            batch = data.batch(iteration)
-            with _profiled(iteration + 1 in t.profile_steps, os.path.join(t.output_dir, "profile"), iteration + 1):
-                metrics, values_time, update_time = _critic_iteration(worker, batch, config)
-            batch_metrics = _batch_metrics(batch, update_time, config, peak_flops)
-            for i in range(len(metrics["critic/vf_loss"])):
-                step += 1
-                last = {k: v[i] for k, v in metrics.items()}
-                skips = skips + 1 if last["critic/skipped_steps"] else 0
-                record = {"step": step, "iteration": iteration + 1, **last, **batch_metrics,
-                          "timing_s/values": values_time, "timing_s/update_critic": update_time}
-                if log:
-                    log.write(json.dumps({k: _finite_or_none(v) if isinstance(v, float) else v
-                                          for k, v in record.items()}) + "\n")
-                if board:
-                    for key, value in record.items():
-                        if key not in ("step", "iteration") and isinstance(value, float) and math.isfinite(value):
-                            board.add_scalar(key, value, step)
-            if log:
-                log.flush()
-            if skips >= t.max_consecutive_skips:
-                raise TrainingError(f"{skips} optimizer steps in a row were skipped for a non-finite loss or "
-                                    f"gradient (last at step {step}; trainer.max_consecutive_skips="
-                                    f"{t.max_consecutive_skips}): check the rollouts' returns and optim.lr")
-            bar.set_postfix(vf_loss=f"{last['critic/vf_loss']:.4g}",
-                            expl_var=f"{last['critic/vf_explained_var']:.3f}")
-            done = iteration + 1
-            if t.save_every and (done % t.save_every == 0 or done == t.steps):
-                worker.save_checkpoint(ckpt_root, done, {"iteration": done, "step": step})
-    except RuntimeError as exc:
-        if not _is_communication_failure(exc):
-            raise
-        raise CommunicationError(
-            f"rank {dist.get_rank()}: a collective failed during {worker.operation}: {str(exc).splitlines()[0]} "
-            f"-- another process died or hung (megatron.nccl_timeout={config.megatron.nccl_timeout} s)") from None
-    finally:
-        bar.close()
-        if log:
-            log.close()
-        if board:
-            board.close()
-        worker.close()
-    if speaker and last:
-        curves = plot_training_curves(os.path.join(t.output_dir, "metrics.jsonl"),
-                                      os.path.join(t.output_dir, "training_curves.png"))
-        print(f"done: {step} optimizer steps over {t.steps} iterations\n"
-              f"  vf_loss {last['critic/vf_loss']:.4g}   explained variance {last['critic/vf_explained_var']:.4f}   "
-              f"clip fraction {last['critic/vf_clipfrac']:.3f}   grad norm {last['critic/grad_norm']:.3g}\n"
-              f"  metrics {os.path.join(t.output_dir, 'metrics.jsonl')}\n  curves  {curves}")
-    return last
+def train_config(overrides: list[str], path: str | None = None) -> CriticConfig:
+    """The config of a ``megacritic train`` run: settings, the job's checks and schedule, validation."""
+    from megacritic.train_loop import job_config
+    return job_config(_settings(overrides, path))
 
 
 def export_checkpoint(checkpoint: str, out: str, overrides: list[str]) -> None:
     """Rebuild the critic a checkpoint was saved from (its own config), load it, write a HF folder."""
+    import torch.distributed as dist
+
+    from megacritic.checkpoint import read_trainer_state
+    from megacritic.worker import CriticWorker
     saved = read_trainer_state(checkpoint)["config"]
     # The architecture is in the saved config; weights come from the checkpoint, not from model.path.
-    base = OmegaConf.create(saved)
-    base.model.path, base.model.value_head_init = None, "normal"
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        f.write(OmegaConf.to_yaml(base))
+    saved = {**saved, "model": {**saved["model"], "path": None, "value_head_init": "normal"}}
     config = load_config(["megatron.tensor_model_parallel_size=1", "megatron.pipeline_model_parallel_size=1",
-                          "megatron.virtual_pipeline_model_parallel_size=null", *overrides], f.name)
-    os.unlink(f.name)
+                          "megatron.virtual_pipeline_model_parallel_size=null", *overrides], base=saved)
     worker = CriticWorker(config)
     worker.init_model()
     try:
@@ -255,9 +91,11 @@ def export_checkpoint(checkpoint: str, out: str, overrides: list[str]) -> None:
         print(f"exported {checkpoint} to {out}")
 
 
-def init_hf(out: str, config) -> None:
-    """Write the seeded initial critic of ``config`` as a HF folder (the embedded default model)."""
-    worker = CriticWorker(config)
+def init_hf(out: str, overrides: list[str], path: str | None) -> None:
+    """Write the seeded initial critic of the settings as a HF folder (by default the embedded tiny critic,
+    which ``make train`` then trains from)."""
+    from megacritic.worker import CriticWorker
+    worker = CriticWorker(complete(_settings(overrides, path)))
     worker.init_model()
     try:
         worker.export_hf(out)
@@ -265,21 +103,10 @@ def init_hf(out: str, config) -> None:
         worker.close()
 
 
-# Failures with a known cause (a setting, the data, a checkpoint, a dead peer): one clean line and an exit
-# code, no traceback.
-_USER_ERRORS = {
-    ConfigError: ("config error", 2),
-    BatchError: ("data error", 2),
-    CheckpointError: ("checkpoint error", 2),
-    TrainingError: ("training stopped", 3),
-    CommunicationError: ("communication failed", 4),
-}
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megacritic", description="PPO critic training on Megatron-Core")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_train = sub.add_parser("train", help="train the critic on the embedded rollout task")
+    p_train = sub.add_parser("train", help="train the critic on a rollout file or the embedded rollout task")
     p_train.add_argument("--config", help="YAML file of settings (defaults < file < overrides)")
     p_train.add_argument("overrides", nargs="*", help="dotted.key=value settings, e.g. ppo_epochs=2")
     p_export = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face *ForTokenClassification folder")
@@ -292,22 +119,27 @@ def main(argv: list[str] | None = None) -> int:
     p_init.add_argument("--config", help="YAML file of settings")
     p_init.add_argument("overrides", nargs="*", help="dotted.key=value settings (model.* defines the model)")
     sub.add_parser("bench", add_help=False, help="throughput benchmark (see `megacritic bench --help`)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_upstream()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         from megacritic.bench import main as bench_main
         return bench_main(argv[1:])
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
+    user_errors = _user_errors()
     try:
-        if args.command == "export-hf":
-            export_checkpoint(args.checkpoint, args.out, args.overrides)
-            return 0
-        config = load_config(args.overrides, args.config)
         if args.command == "train":
-            train(config)
+            from megacritic.train_loop import train
+            train(train_config(args.overrides, args.config))
+        elif args.command == "export-hf":
+            export_checkpoint(args.checkpoint, args.out, args.overrides)
         elif args.command == "init-hf":
-            init_hf(args.out, config)
-    except tuple(_USER_ERRORS) as exc:
-        what, code = next(v for t, v in _USER_ERRORS.items() if isinstance(exc, t))
+            init_hf(args.out, args.overrides, args.config)
+    except tuple(user_errors) as exc:
+        what, code = next(v for t, v in user_errors.items() if isinstance(exc, t))
         print(f"megacritic: {what}: {exc}", file=sys.stderr)
         return code
     return 0

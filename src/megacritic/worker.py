@@ -81,11 +81,9 @@ def init_distributed(timeout_s: int = 600) -> bool:
 
 
 def optimizer_steps(config: CriticConfig) -> int:
-    """Optimizer steps the LR schedule spans: optim.total_training_steps, or what trainer.* implies."""
-    if config.optim.total_training_steps > 0:
-        return config.optim.total_training_steps
-    per_iteration = config.data.rollouts_per_step // config.ppo_mini_batch_size * config.ppo_epochs
-    return config.trainer.steps * per_iteration
+    """Steps the LR schedule spans: optim.total_training_steps. Unset (-1) validates only for a constant
+    schedule without warm-up, whose LR no length changes (Megatron's scheduler still wants a positive one)."""
+    return config.optim.total_training_steps if config.optim.total_training_steps > 0 else 1
 
 
 OFFLOAD_PARTS = ("params", "grads", "optimizer")

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megacritic import CriticWorker, load_config
-from megacritic.config import ConfigError, ModelConfig
+from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, ModelConfig, tiny_model
 from megacritic.data.sources import SyntheticRollouts
 from megacritic.hf.checkpoint import Checkpoint, CheckpointSource
 from megacritic.model.value_model import padded_vocab_size
@@ -129,6 +129,17 @@ def test_config_revalidates_and_accepts_agreeing_fields(hf_models):
     assert config.model == before
 
 
+def test_resolve_returns_a_new_model_config_and_set_means_set(hf_models):
+    from megacritic.hf.config import resolve
+    model = ModelConfig(path=str(hf_models["llama"]), hidden_size=48)
+    resolved = resolve(model)
+    assert model == ModelConfig(path=str(hf_models["llama"]), hidden_size=48)  # not mutated
+    assert (resolved.hidden_size, resolved.num_hidden_layers, resolved.attention_bias) == (48, 4, False)
+    # values that were the defaults once (a Qwen2-style tiny model's) are settings like any other
+    for setting in ("model.attention_bias=true", "model.rms_norm_eps=1e-6", "model.rope_theta=10000"):
+        _refusal(hf_models["llama"], setting.split("=")[0], "normal", setting)
+
+
 def _refusal(folder, key, head="normal", *extra):
     with pytest.raises(ConfigError) as info:
         _config(folder, head, *extra)
@@ -182,7 +193,7 @@ def test_other_refusals(hf_models, tmp_path):
     _refusal(hf_models["llama"], "model.hidden_size", "normal", "model.hidden_size=32")
     # from_checkpoint: needs a path, a one-label classifier, and a head in the weights
     with pytest.raises(ConfigError, match="model.value_head_init"):
-        load_config(["model.value_head_init=from_checkpoint"])
+        load_config([*TINY_MODEL_OVERRIDES, "model.value_head_init=from_checkpoint"])
     _refusal(hf_models["llama"], "from_checkpoint", "from_checkpoint")  # an ordinary LM head only
     two = _copy_with(hf_models["qwen3"], tmp_path / "two_labels", id2label={"0": "a", "1": "b"})
     _refusal(two, "num_labels", "from_checkpoint")
@@ -233,7 +244,7 @@ def _megatron_names(layer_local: int, model: ModelConfig) -> list[str]:
 @pytest.mark.parametrize("tp", [1, 2, 3])
 @pytest.mark.parametrize("bias, qk_norm", [(True, False), (False, True)])
 def test_export_layout_inverts_import_layout(tp, bias, qk_norm):
-    m = ModelConfig(vocab_size=67, hidden_size=24, intermediate_size=30, num_hidden_layers=2,
+    m = tiny_model(vocab_size=67, hidden_size=24, intermediate_size=30, num_hidden_layers=2,
                     num_attention_heads=12, num_key_value_heads=6, head_dim=4, attention_bias=bias,
                     qk_layernorm=qk_norm)
     full = {n: torch.randn(s, dtype=torch.float64) for n, s in hf_shapes(m).items()}
@@ -335,7 +346,8 @@ def _rel(got, ref) -> float:
 
 def test_export_of_seeded_model_loads_in_transformers(tmp_path):
     # No model.path: the embedded Qwen2-style default with random weights, exported and reloaded.
-    config = load_config(["model.dtype=float32", "data.rollouts_per_step=8", "ppo_mini_batch_size=4",
+    config = load_config([*TINY_MODEL_OVERRIDES,
+                          "model.dtype=float32", "data.rollouts_per_step=8", "ppo_mini_batch_size=4",
                           "data.response_length=[2,10]", "model.value_head_init_std=0.5"])
     worker = CriticWorker(config)
     worker.init_model()

@@ -12,13 +12,13 @@ import pytest
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 
-from megacritic.config import ModelConfig
+from megacritic.config import tiny_model
 from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead, apply_rotary
 from megacritic.model.value_model import transformer_config
 
 
 def _config(dtype=torch.float32, *, tp=1, sequence_parallel=False, **model):
-    return transformer_config(ModelConfig(**model), tp=tp, pp=1, vpp=None, sequence_parallel=sequence_parallel,
+    return transformer_config(tiny_model(**model), tp=tp, pp=1, vpp=None, sequence_parallel=sequence_parallel,
                               dtype=dtype, on_cpu=True, variable_seq_lengths=False)
 
 

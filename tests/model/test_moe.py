@@ -20,7 +20,7 @@ import torch
 import transformers as T
 
 from megacritic import CriticWorker, load_config
-from megacritic.config import ConfigError, ModelConfig, moe_layer_pattern, validate_layout
+from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, moe_layer_pattern, tiny_model, validate_layout
 from megacritic.data.sources import SyntheticRollouts
 from megacritic.hf.config import export_family
 from megacritic.model.value_model import padded_vocab_size
@@ -65,7 +65,7 @@ def _config(folder, head="normal", *extra):
 
 def _refusal(key, *overrides):
     with pytest.raises(ConfigError) as info:
-        load_config(list(overrides))
+        load_config([*TINY_MODEL_OVERRIDES, *overrides])
     assert key in str(info.value), str(info.value)
     return str(info.value)
 
@@ -119,7 +119,7 @@ def test_a_moe_field_we_do_not_know_is_refused(hf_models, monkeypatch):
         _config(hf_models["qwen2_moe"])
 
 
-MOE = ["model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32"]
+MOE = [*TINY_MODEL_OVERRIDES, "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32"]
 
 
 def test_moe_settings_are_checked():
@@ -174,9 +174,9 @@ def test_checkpoint_resumes_only_on_the_same_side_of_ep_1(tmp_path):
 def test_export_family_refusals():
     base = dict(vocab_size=67, hidden_size=24, intermediate_size=30, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, num_experts=4, moe_intermediate_size=8)
-    assert export_family(ModelConfig(**base, shared_expert_intermediate_size=16)) == "qwen2_moe"
-    assert export_family(ModelConfig(**base, attention_bias=False, qk_layernorm=True)) == "qwen3_moe"
-    assert export_family(ModelConfig(**base, attention_bias=False, norm_topk_prob=True)) == "mixtral"
+    assert export_family(tiny_model(**base, shared_expert_intermediate_size=16)) == "qwen2_moe"
+    assert export_family(tiny_model(**base, attention_bias=False, qk_layernorm=True)) == "qwen3_moe"
+    assert export_family(tiny_model(**base, attention_bias=False, norm_topk_prob=True)) == "mixtral"
     for bad, key in ((dict(model_type="mixtral", attention_bias=False), "norm_topk_prob"),
                      (dict(model_type="mixtral", attention_bias=False, norm_topk_prob=True, mlp_only_layers=[1]),
                       "mlp_only_layers"),
@@ -187,7 +187,7 @@ def test_export_family_refusals():
                       "num_experts"),
                      (dict(model_type="qwen2"), "num_experts")):
         with pytest.raises(ConfigError, match=key):
-            export_family(ModelConfig(**{**base, **bad}))
+            export_family(tiny_model(**{**base, **bad}))
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -196,7 +196,7 @@ def test_export_family_refusals():
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("tp, ep, etp", [(1, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 1), (1, 4, 2)])
 def test_export_layout_inverts_import_layout(family, tp, ep, etp):
-    m = ModelConfig(model_type=family, vocab_size=67, hidden_size=24, intermediate_size=30, num_hidden_layers=2,
+    m = tiny_model(model_type=family, vocab_size=67, hidden_size=24, intermediate_size=30, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, num_experts=4, moe_intermediate_size=12,
                     norm_topk_prob=family == "mixtral", attention_bias=family == "qwen2_moe",
                     shared_expert_intermediate_size=16 if family == "qwen2_moe" else None)
@@ -232,7 +232,8 @@ def test_export_layout_inverts_import_layout(family, tp, ep, etp):
 
 def test_seeded_moe_export_loads_in_transformers_and_frozen_routers_stay(tmp_path):
     # No model.path: a seeded Qwen2-MoE-shaped critic with a dense layer; trained with frozen routers, exported.
-    config = load_config(["model.dtype=float32", "data.rollouts_per_step=8", "ppo_mini_batch_size=4",
+    config = load_config([*TINY_MODEL_OVERRIDES,
+                          "model.dtype=float32", "data.rollouts_per_step=8", "ppo_mini_batch_size=4",
                           "data.response_length=[2,10]", "model.value_head_init_std=0.5", "model.num_experts=4",
                           "model.moe_intermediate_size=32", "model.shared_expert_intermediate_size=48",
                           "model.num_hidden_layers=3", "model.mlp_only_layers=[1]", "model.freeze_moe_router=true"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacritic.config import ModelConfig
+from megacritic.config import ModelConfig, tiny_model
 from megacritic.model.value_model import padded_vocab_size
 from megacritic.model.weights import (TensorSource, WholeTensors, _fused_qkv, hf_from_megatron, hf_shapes,
                                       megatron_tensor, seeded_initializer, tensor_source)
@@ -30,7 +30,7 @@ def _expected_names(layers: int, bias: bool) -> set[str]:
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_hf_shapes_names_and_shapes(bias):
-    m = ModelConfig(vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=3,
+    m = tiny_model(vocab_size=50, hidden_size=24, intermediate_size=40, num_hidden_layers=3,
                     num_attention_heads=6, num_key_value_heads=2, attention_bias=bias)
     shapes = hf_shapes(m)
     assert set(shapes) == _expected_names(3, bias)
@@ -57,7 +57,7 @@ def test_hf_shapes_names_and_shapes(bias):
 
 
 def test_hf_shapes_explicit_head_dim():
-    m = ModelConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=1)
+    m = tiny_model(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=1)
     shapes = hf_shapes(m)
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32, 16)
     assert shapes["model.layers.0.self_attn.k_proj.weight"] == (16, 16)
@@ -69,7 +69,7 @@ def test_hf_shapes_explicit_head_dim():
 
 
 def test_seeded_initializer_shapes_and_kinds():
-    m = ModelConfig(attention_bias=True)
+    m = tiny_model(attention_bias=True)
     full = seeded_initializer(m, 0)
     for name, shape in hf_shapes(m).items():
         t = full(name)
@@ -86,7 +86,7 @@ def test_seeded_initializer_shapes_and_kinds():
 
 
 def test_seeded_initializer_deterministic_per_seed_and_name():
-    m = ModelConfig()
+    m = tiny_model()
     a, b, c = seeded_initializer(m, 7), seeded_initializer(m, 7), seeded_initializer(m, 8)
     names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
              "model.layers.1.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"]
@@ -105,7 +105,7 @@ def test_seeded_initializer_deterministic_per_seed_and_name():
 
 
 def test_seeded_initializer_std():
-    m = ModelConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=4,
+    m = tiny_model(hidden_size=256, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=4,
                     num_key_value_heads=2, init_std=0.02, value_head_init_std=1.0)
     full = seeded_initializer(m, 3)
     w = full("model.layers.0.mlp.gate_proj.weight")  # 262144 draws
@@ -136,7 +136,7 @@ CONFIGS = [(4, 2), (4, 4), (8, 4)]
 
 
 def _model(heads, groups, bias=True):
-    return ModelConfig(vocab_size=10, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+    return tiny_model(vocab_size=10, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                        num_attention_heads=heads, num_key_value_heads=groups, head_dim=2, attention_bias=bias)
 
 

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from megacritic import CriticWorker, load_config
+from megacritic.config import TINY_MODEL_OVERRIDES
 from megacritic.data.sources import SyntheticRollouts
 
-MODEL = ["model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediate_size=96",
+MODEL = [*TINY_MODEL_OVERRIDES, "model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediate_size=96",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=61",
          "data.rollouts_per_step=24", "data.prompt_length=[3,9]", "data.response_length=[2,15]",
          "ppo_mini_batch_size=8", "shuffle=false", "optim.lr=1e-3", "optim.clip_grad=0.5",

@@ -12,14 +12,16 @@ as inert below; any other (a field a newer transformers adds, or a checkpoint fe
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from pathlib import Path
 
 import torch
 
-from megacritic.config import (MOE_MODEL_TYPES, ConfigError, ModelConfig, expert_ffn_size, head_dim, hf_family,
-                               is_moe, moe_layer_pattern, shared_expert_size)
+from megacritic.config.schema import (LLAMA3_ROPE_CONSTANTS, MOE_MODEL_TYPES, ConfigError, ModelConfig,
+                                      check_rope_scaling, expert_ffn_size, fail, head_dim, hf_family, is_moe,
+                                      moe_layer_pattern, shared_expert_size)
 from megacritic.hf.checkpoint import Checkpoint, value_head_names
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
@@ -53,8 +55,9 @@ MAPPED_FIELDS = {
 }
 
 
-def _fail(path: str, field: str, value, fix: str):
-    raise ConfigError(f"model.path={path!r}: config.json {field}={value!r}: {fix}")
+def _in_file(path: str, field: str) -> str:
+    """How a ConfigError names a field of model.path's config.json."""
+    return f"model.path={path!r}: config.json {field}"
 
 
 
@@ -70,10 +73,10 @@ def read_hf_config(path: str):
     raw = json.loads(config_file.read_text())
     model_type = raw.get("model_type")
     if model_type not in FAMILIES:
-        _fail(path, "model_type", model_type, f"supported families are {', '.join(FAMILIES)}")
+        fail(_in_file(path, "model_type"), model_type, f"supported families are {', '.join(FAMILIES)}")
     if "quantization_config" in raw:
-        _fail(path, "quantization_config", raw["quantization_config"],
-              "quantized checkpoints are not supported; use a bf16 / fp32 one")
+        fail(_in_file(path, "quantization_config"), raw["quantization_config"],
+             "quantized checkpoints are not supported; use a bf16 / fp32 one")
     from transformers import AutoConfig
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True)
@@ -98,27 +101,20 @@ def _rope(cfg, path: str) -> tuple[float, dict | None]:
     theta = params.pop("rope_theta", None)
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if theta is None:
-        _fail(path, "rope_parameters.rope_theta", None, "the RoPE base is missing")
+        fail(_in_file(path, "rope_parameters.rope_theta"), None, "the RoPE base is missing")
     partial = params.pop("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        _fail(path, "partial_rotary_factor", partial, "partial rotary embeddings are not supported")
+        fail(_in_file(path, "partial_rotary_factor"), partial, "partial rotary embeddings are not supported")
     if kind == "default":
         for key, value in params.items():
-            _fail(path, f"rope_parameters.{key}", value, "not a parameter of plain RoPE; remove it")
+            fail(_in_file(path, f"rope_parameters.{key}"), value, "not a parameter of plain RoPE; remove it")
         return float(theta), None
     if kind == "llama3":
-        known = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        for key, value in params.items():
-            if key not in known:
-                _fail(path, f"rope_parameters.{key}", value, "not a parameter of llama3 RoPE scaling")
-        from megacritic.config import LLAMA3_ROPE_CONSTANTS
-        for key, value in LLAMA3_ROPE_CONSTANTS.items():
-            if params.get(key) != value:
-                _fail(path, f"rope_parameters.{key}", params.get(key),
-                      f"Megatron-Core's llama3 RoPE scaling fixes it at {value} (as in Llama 3.1-3.3)")
-        return float(theta), {"rope_type": "llama3", **params}
-    _fail(path, "rope_parameters.rope_type", kind,
-          "supported RoPE types (rope_parameters, or rope_scaling in older files) are default and llama3")
+        scaling = {"rope_type": "llama3", **params}
+        check_rope_scaling(scaling, _in_file(path, "rope_parameters"))
+        return float(theta), scaling
+    fail(_in_file(path, "rope_parameters.rope_type"), kind,
+         "supported RoPE types (rope_parameters, or rope_scaling in older files) are default and llama3")
 
 
 def hf_model_fields(cfg, path: str) -> dict:
@@ -127,14 +123,14 @@ def hf_model_fields(cfg, path: str) -> dict:
     unknown = _family_fields(cfg) - MAPPED_FIELDS - set(INERT_FIELDS)
     if unknown:
         field = sorted(unknown)[0]
-        _fail(path, field, getattr(cfg, field, None),
-              "megacritic does not know whether this field changes the model; it cannot honour it")
+        fail(_in_file(path, field), getattr(cfg, field, None),
+             "megacritic does not know whether this field changes the model; it cannot honour it")
     if cfg.hidden_act != "silu":
-        _fail(path, "hidden_act", cfg.hidden_act, "the value model's MLP is SwiGLU (silu)")
+        fail(_in_file(path, "hidden_act"), cfg.hidden_act, "the value model's MLP is SwiGLU (silu)")
     if getattr(cfg, "mlp_bias", False):
-        _fail(path, "mlp_bias", True, "MLP biases are not supported")
+        fail(_in_file(path, "mlp_bias"), True, "MLP biases are not supported")
     if getattr(cfg, "attention_dropout", 0.0):
-        _fail(path, "attention_dropout", cfg.attention_dropout, "dropout is not supported; set it to 0.0")
+        fail(_in_file(path, "attention_dropout"), cfg.attention_dropout, "dropout is not supported; set it to 0.0")
     if model_type == "qwen2":
         qkv_bias = True  # Qwen2 always has Q/K/V biases (and no output-projection bias)
     elif model_type == "qwen2_moe":
@@ -142,17 +138,17 @@ def hf_model_fields(cfg, path: str) -> dict:
     else:
         qkv_bias = False
         if getattr(cfg, "attention_bias", False):
-            _fail(path, "attention_bias", True,
-                  f"in {model_type} it also adds an o_proj bias, which the value model does not have")
+            fail(_in_file(path, "attention_bias"), True,
+                 f"in {model_type} it also adds an o_proj bias, which the value model does not have")
     sliding = [t for t in (getattr(cfg, "layer_types", None) or []) if t != "full_attention"]
     if sliding:
-        _fail(path, "layer_types", sliding[0], "only full attention is supported (sliding window is used)")
+        fail(_in_file(path, "layer_types"), sliding[0], "only full attention is supported (sliding window is used)")
     # qwen2(_moe) place sliding windows through layer_types (checked above); these apply theirs to every layer.
     window = getattr(cfg, "sliding_window", None) if model_type in ("mistral", "mixtral", "qwen3_moe") else None
     if window is not None and window < cfg.max_position_embeddings:
-        _fail(path, "sliding_window", window,
-              f"a window shorter than max_position_embeddings ({cfg.max_position_embeddings}) changes "
-              "attention; only full attention is supported")
+        fail(_in_file(path, "sliding_window"), window,
+             f"a window shorter than max_position_embeddings ({cfg.max_position_embeddings}) changes "
+             "attention; only full attention is supported")
     theta, rope_scaling = _rope(cfg, path)
     fields = dict(
         model_type=model_type,
@@ -182,8 +178,8 @@ def _moe_fields(cfg, path: str) -> dict:
         return {"num_experts": None}
     if model_type == "mixtral":
         if cfg.router_jitter_noise:
-            _fail(path, "router_jitter_noise", cfg.router_jitter_noise,
-                  "router input jitter changes training; only 0.0 is supported")
+            fail(_in_file(path, "router_jitter_noise"), cfg.router_jitter_noise,
+                 "router input jitter changes training; only 0.0 is supported")
         # Every layer is MoE, its experts intermediate_size wide; the top-k weights are renormalised.
         fields = dict(num_experts=cfg.num_local_experts, moe_intermediate_size=cfg.intermediate_size,
                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
@@ -194,36 +190,37 @@ def _moe_fields(cfg, path: str) -> dict:
                       mlp_only_layers=list(cfg.mlp_only_layers or []), shared_expert_intermediate_size=None)
         if model_type == "qwen2_moe":
             if not cfg.shared_expert_intermediate_size and cfg.num_experts:
-                _fail(path, "shared_expert_intermediate_size", cfg.shared_expert_intermediate_size,
-                      "a Qwen2-MoE without a shared expert (size 0) is not supported")
+                fail(_in_file(path, "shared_expert_intermediate_size"), cfg.shared_expert_intermediate_size,
+                     "a Qwen2-MoE without a shared expert (size 0) is not supported")
             fields["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     if fields["num_experts"] and cfg.num_experts_per_tok == 1 and fields["norm_topk_prob"]:
-        _fail(path, "num_experts_per_tok", 1, "top-1 routing with renormalised weights (norm_topk_prob) is not "
-              "supported by Megatron-Core's router")
+        fail(_in_file(path, "num_experts_per_tok"), 1,
+             "top-1 routing with renormalised weights (norm_topk_prob) is not supported by Megatron-Core's router")
     fields["num_experts_per_tok"] = cfg.num_experts_per_tok
     return fields
 
 
-def apply_hf_config(model: ModelConfig) -> None:
-    """Fill ``model``'s architecture from config.json at model.path. A field set to something other than
-    its default and the checkpoint's value is an error: the checkpoint defines the architecture."""
+def resolve(model: ModelConfig) -> ModelConfig:
+    """A new ModelConfig with the architecture of config.json at model.path (read once). A field set (not
+    None) to a value other than the checkpoint's is an error: the checkpoint defines the architecture. Also
+    checks, from file headers only, that there are safetensors and (value_head_init=from_checkpoint) a head."""
     cfg = read_hf_config(model.path)
-    defaults, fields = ModelConfig(), hf_model_fields(cfg, model.path)
+    fields = hf_model_fields(cfg, model.path)
     for key, value in fields.items():
         current = getattr(model, key)
-        if current != value and current != getattr(defaults, key):
+        if current is not None and current != value:
             raise ConfigError(f"model.{key}={current!r}: the checkpoint at model.path has {key}={value!r}; "
                               f"unset model.{key} (the checkpoint defines the architecture)")
-    for key, value in fields.items():
-        setattr(model, key, value)
+    resolved = dataclasses.replace(model, **fields)
     classifier = any(a.endswith(("ForTokenClassification", "ForSequenceClassification"))
                      for a in cfg.architectures or [])
     ckpt = Checkpoint(model.path)  # no safetensors is refused now, not at init_model (reads the index only)
     if model.value_head_init == "from_checkpoint":
         if classifier and cfg.num_labels != 1:
-            _fail(model.path, "num_labels", cfg.num_labels,
-                  "model.value_head_init=from_checkpoint needs a one-label score head (a scalar reward / value)")
-        value_head_names(ckpt, model)
+            fail(_in_file(model.path, "num_labels"), cfg.num_labels,
+                 "model.value_head_init=from_checkpoint needs a one-label score head (a scalar reward / value)")
+        value_head_names(ckpt, resolved)
+    return resolved
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -283,7 +280,6 @@ def export_config(model: ModelConfig, dtype: torch.dtype):
     else:
         rope = {"rope_type": "default", "rope_theta": model.rope_theta}
         if model.rope_scaling is not None:
-            from megacritic.config import LLAMA3_ROPE_CONSTANTS
             rope.update({"rope_type": "llama3", "factor": float(model.rope_scaling["factor"]),
                          **LLAMA3_ROPE_CONSTANTS})
         fields = dict(

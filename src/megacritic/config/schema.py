@@ -1,23 +1,19 @@
-"""Configuration: one dataclass per section, loaded from defaults < YAML file < dotted overrides.
+"""The configuration schema: one dataclass per section, and the checks a config must pass.
 
 Key names follow verl's critic config (``ppo_mini_batch_size``, ``megatron.tensor_model_parallel_size``,
-``optim.lr`` ...) so an existing verl critic section can be pasted in. Sections of our own live under
-``trainer.*`` and ``data.*``. Every check that can be made before a model is built is made by
-:func:`validate` (static) and :func:`validate_layout` (needs the world size); each failure is a
-:class:`ConfigError` naming the dotted key, the value received and the fix. A validated config is
-never mutated: values derived from it (per-rank batch sizes, effective sequence parallelism) live in
-:class:`~megacritic.worker.Layout`.
+``optim.lr`` ...) so an existing verl critic section can be pasted in. The library reads the top level and
+the ``model``, ``megatron`` and ``optim`` sections; ``data``, ``algorithm`` and ``trainer`` are settings of the
+``megacritic train`` job, checked by :mod:`megacritic.train_loop`. :func:`validate` (static) and
+:func:`validate_layout` (needs the world size) are pure: no I/O, nothing mutated. Each failure is a
+:class:`ConfigError` naming the dotted key, the value received and the fix. Loading (defaults < base < YAML <
+overrides, then the Hugging Face config of ``model.path``) lives in :mod:`megacritic.config.load`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
-
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ATTENTION_IMPLS = ("auto", "fa4", "fa2", "sdpa")
@@ -45,38 +41,49 @@ class ModelConfig:
 
     path: Optional[str] = None
     """Local Hugging Face model folder (config.json and safetensors, sharded or not) to start from. Its
-    config.json defines the architecture: validation fills the fields below from it (a field set here to a
-    different value is an error, as is anything in it the value model cannot honour) and the weights are
-    read from it. Unset: the architecture below with seeded random weights."""
+    config.json defines the architecture: loading fills every unset field below from it (a field set here
+    to a different value is an error, as is anything in it the value model cannot honour) and the weights
+    are read from it. Unset: the architecture set below, with seeded random weights."""
     model_type: Optional[str] = None
     """Hugging Face family: llama, qwen2, qwen3, mistral, qwen2_moe, qwen3_moe or mixtral; filled from
     model.path. Without a path it only names the family of an exported checkpoint (unset, dense: qwen3 with
     qk_layernorm, qwen2 with attention_bias, else llama; with experts: qwen2_moe with a shared expert,
     qwen3_moe with qk_layernorm, else mixtral)."""
-    vocab_size: int = 64
-    hidden_size: int = 64
-    intermediate_size: int = 128
+    # The architecture. Unset (None) means unset: with model.path, config.json's value; without one, the
+    # first seven fields must be set (presets.TINY_MODEL is the embedded tiny critic) and the others take
+    # the default given in their docstring (ARCHITECTURE_DEFAULTS).
+    vocab_size: Optional[int] = None
+    """Token ids the embedding holds."""
+    hidden_size: Optional[int] = None
+    """Width of the residual stream."""
+    intermediate_size: Optional[int] = None
     """FFN (SwiGLU) inner size of the dense layers."""
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    num_hidden_layers: Optional[int] = None
+    """Transformer layers."""
+    num_attention_heads: Optional[int] = None
+    """Query heads."""
+    num_key_value_heads: Optional[int] = None
     """Key/value heads (GQA query groups); equal to num_attention_heads for plain multi-head attention."""
+    max_position_embeddings: Optional[int] = None
+    """Longest rollout (prompt + response tokens) the model's positions cover."""
     head_dim: Optional[int] = None
-    """Per-head size; defaults to hidden_size // num_attention_heads."""
-    max_position_embeddings: int = 256
-    rope_theta: float = 10000.0
+    """Per-head size; unset: hidden_size // num_attention_heads."""
+    rope_theta: Optional[float] = None
+    """RoPE base; unset without model.path: 10000."""
     rope_scaling: Optional[Dict[str, Any]] = None
-    """RoPE frequency scaling in Hugging Face's form. Supported: Llama 3's {rope_type: llama3, factor: F,
-    low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192} (the constants
-    Megatron-Core's RoPE scaling implements); anything else is an error."""
-    rms_norm_eps: float = 1e-6
-    attention_bias: bool = True
-    """Bias on the Q, K and V projections (Qwen2 has it, Llama does not)."""
-    qk_layernorm: bool = False
-    """RMSNorm over each query and key head before RoPE (Qwen3)."""
-    tie_word_embeddings: bool = False
+    """RoPE frequency scaling in Hugging Face's form; unset: none. Supported: Llama 3's {rope_type: llama3,
+    factor: F, low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192} (the
+    constants Megatron-Core's RoPE scaling implements); anything else is an error."""
+    rms_norm_eps: Optional[float] = None
+    """Epsilon of every RMSNorm; unset without model.path: 1e-6."""
+    attention_bias: Optional[bool] = None
+    """Bias on the Q, K and V projections (Qwen2 has it, Llama does not); unset without model.path: true."""
+    qk_layernorm: Optional[bool] = None
+    """RMSNorm over each query and key head before RoPE (Qwen3); unset without model.path: false."""
+    tie_word_embeddings: Optional[bool] = None
     """Whether the language model ties its output projection to the embedding. The critic has no output
-    projection, so this does not change values; it is carried into exported checkpoints."""
+    projection, so this does not change values; it is carried into exported checkpoints. Unset without
+    model.path: false."""
     init_std: float = 0.02
     """Std of the seeded normal initialisation of every weight matrix (norms start at 1, biases at 0)."""
     value_head_init: str = "normal"
@@ -89,24 +96,25 @@ class ModelConfig:
     """Parameter and compute dtype: float32, bfloat16, or auto (bfloat16 on GPU, float32 on CPU)."""
     num_experts: Optional[int] = None
     """Routed experts per mixture-of-experts (MoE) layer (Mixtral's num_local_experts); None or 0: a dense
-    model. Each MoE layer is Megatron-Core's MoELayer: a softmax top-k router, SequentialMLP experts, no
-    token dropping, no router jitter or z-loss."""
-    num_experts_per_tok: int = 2
-    """Experts each token is routed to (top-k)."""
+    model. Each MoE layer is Megatron-Core's MoELayer: a softmax top-k router, the experts (one grouped GEMM
+    per projection on GPU with model.use_fused_kernels in bf16, else one GEMM per expert), no token
+    dropping, no router jitter or z-loss."""
+    num_experts_per_tok: Optional[int] = None
+    """Experts each token is routed to (top-k); unset without model.path: 2."""
     moe_intermediate_size: Optional[int] = None
-    """FFN inner size of each routed expert; defaults to intermediate_size."""
+    """FFN inner size of each routed expert; unset: intermediate_size."""
     shared_expert_intermediate_size: Optional[int] = None
     """FFN inner size of the shared expert that every token also goes through, its output scaled by a
     sigmoid gate (Qwen2-MoE); None or 0: none."""
-    norm_topk_prob: bool = False
+    norm_topk_prob: Optional[bool] = None
     """Renormalise the top-k routing weights to sum to 1. False (Qwen2-MoE / Qwen3-MoE default): softmax
     over all experts, then the top-k of those probabilities. True: softmax over the top-k logits (Mixtral
-    always does this)."""
-    decoder_sparse_step: int = 1
+    always does this). Unset without model.path: false."""
+    decoder_sparse_step: Optional[int] = None
     """Layer i (from 0) is an MoE layer when (i + 1) is a multiple of this and i is not in mlp_only_layers;
-    the other layers are dense (intermediate_size)."""
-    mlp_only_layers: list = field(default_factory=list)
-    """Indices of layers that stay dense whatever decoder_sparse_step says."""
+    the other layers are dense (intermediate_size). Unset without model.path: 1."""
+    mlp_only_layers: Optional[list] = None
+    """Indices of layers that stay dense whatever decoder_sparse_step says; unset without model.path: none."""
     moe_aux_loss_coeff: float = 0.0
     """Coefficient of the router's load-balancing loss (Switch-Transformer style, per MoE layer and
     micro-batch). 0 (the default) leaves it off, as suits a critic; a nonzero value adds coeff x that loss,
@@ -221,7 +229,8 @@ class OptimConfig:
     lr_decay_style: str = "constant"
     """constant, linear or cosine (decay from lr to min_lr over total_training_steps)."""
     total_training_steps: int = -1
-    """Steps (in schedule_unit) the schedule spans; -1 lets the trainer derive it from trainer.steps."""
+    """Steps (in schedule_unit) the schedule spans. -1 (unset) serves only a constant schedule without
+    warm-up; ``megacritic train`` sets it from trainer.steps when it is -1."""
     schedule_unit: str = "step"
     """What advances the LR schedule: step (every optimizer step; total_training_steps and lr_warmup_steps
     count optimizer steps) or call (every update_critic call, as verl's critic does; they count calls)."""
@@ -230,7 +239,7 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     """Rollouts of ``megacritic train``: a Parquet / JSONL file, or the embedded synthetic task (see
-    megacritic.data.sources and the README's schema)."""
+    megacritic.data.sources and the README's schema). Read and checked by the CLI only."""
 
     path: Optional[str] = None
     """Rollout file (.parquet or .jsonl; rows of prompt_ids, response_ids, token_rewards or score, optional
@@ -246,7 +255,7 @@ class DataConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimation for rollout files (verl's ``algorithm`` section)."""
+    """Advantage estimation for rollout files (verl's ``algorithm`` section); read by the CLI only."""
 
     gamma: float = 1.0
     """Discount of GAE."""
@@ -256,6 +265,8 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
+    """The ``megacritic train`` job: its length, outputs, checkpoints; read and checked by the CLI only."""
+
     steps: int = 60
     """PPO iterations: each draws a rollout batch, computes values, then updates the critic."""
     output_dir: str = "outputs/default"
@@ -315,41 +326,36 @@ class CriticConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
 
-def load_config(overrides: list[str] | None = None, path: str | None = None) -> CriticConfig:
-    """Defaults < YAML file at ``path`` < dotted ``overrides`` (``key=value``); validated."""
-    schema = OmegaConf.structured(CriticConfig)
-    layers = [schema]
-    try:
-        if path is not None:
-            layers.append(OmegaConf.load(path))
-        if overrides:
-            bad = [o for o in overrides if "=" not in o]
-            if bad:
-                raise ConfigError(f"override {bad[0]!r} is not of the form dotted.key=value")
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(*layers)
-        config = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None)
-        where = f"{key}: " if key else ""
-        raise ConfigError(f"{where}{exc.msg if hasattr(exc, 'msg') else exc}") from None
-    except FileNotFoundError as exc:
-        raise ConfigError(f"--config file not found: {path}") from exc
-    validate(config)
-    return config
+# Without model.path these must be set: they are the model's size, with no default that could be right.
+REQUIRED_ARCHITECTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+# What the other architecture fields mean when left unset without model.path (with a path: config.json).
+ARCHITECTURE_DEFAULTS = {
+    "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "attention_bias": True, "qk_layernorm": False,
+    "tie_word_embeddings": False, "num_experts_per_tok": 2, "norm_topk_prob": False, "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
+
+def with_defaults(model: ModelConfig) -> ModelConfig:
+    """A new ModelConfig whose unset fields of ARCHITECTURE_DEFAULTS hold their defaults."""
+    unset = {key: (list(value) if isinstance(value, list) else value)
+             for key, value in ARCHITECTURE_DEFAULTS.items() if getattr(model, key) is None}
+    return dataclasses.replace(model, **unset)
 
 
 def to_dict(config: CriticConfig) -> dict:
     return dataclasses.asdict(config)
 
 
-def _fail(key: str, value, fix: str):
+def fail(key: str, value, fix: str):
+    """Raise the ConfigError of setting ``key`` (which may name where it was read) holding ``value``."""
     raise ConfigError(f"{key}={value!r}: {fix}")
 
 
-def _positive(key: str, value):
+def positive(key: str, value):
     if value is None or value < 1:
-        _fail(key, value, "must be a positive integer")
+        fail(key, value, "must be a positive integer")
 
 
 def head_dim(model: ModelConfig) -> int:
@@ -389,225 +395,227 @@ def hf_family(model: ModelConfig) -> str:
 
 def _check_moe(m: ModelConfig, mg: "MegatronConfig") -> None:
     ep, etp, tp = mg.expert_model_parallel_size, mg.expert_tensor_parallel_size, mg.tensor_model_parallel_size
-    _positive("megatron.expert_model_parallel_size", ep)
+    positive("megatron.expert_model_parallel_size", ep)
     if etp is not None:
-        _positive("megatron.expert_tensor_parallel_size", etp)
+        positive("megatron.expert_tensor_parallel_size", etp)
     if not is_moe(m):
         if m.num_experts is not None and m.num_experts < 0:
-            _fail("model.num_experts", m.num_experts,
-                  "must be a positive number of experts, or null/0 for a dense model")
+            fail("model.num_experts", m.num_experts,
+                 "must be a positive number of experts, or null/0 for a dense model")
         for key, value, off in (("megatron.expert_model_parallel_size", ep, 1),
                                 ("megatron.expert_tensor_parallel_size", etp, None),
                                 ("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, 0.0),
                                 ("model.freeze_moe_router", m.freeze_moe_router, False)):
             if value != off:
-                _fail(key, value, "applies only to mixture-of-experts models (set model.num_experts)")
+                fail(key, value, "applies only to mixture-of-experts models (set model.num_experts)")
         return
-    _positive("model.num_experts", m.num_experts)
+    positive("model.num_experts", m.num_experts)
     if not 1 <= m.num_experts_per_tok <= m.num_experts:
-        _fail("model.num_experts_per_tok", m.num_experts_per_tok, f"must lie in [1, model.num_experts={m.num_experts}]")
+        fail("model.num_experts_per_tok", m.num_experts_per_tok, f"must lie in [1, model.num_experts={m.num_experts}]")
     if m.num_experts_per_tok == 1 and m.norm_topk_prob:
-        _fail("model.num_experts_per_tok", 1, "with norm_topk_prob=true every token's weight is exactly 1, which "
-              "Megatron-Core's top-1 router cannot express (it needs the softmax over all experts); use top-k >= 2")
+        fail("model.num_experts_per_tok", 1, "with norm_topk_prob=true every token's weight is exactly 1, which "
+             "Megatron-Core's top-1 router cannot express (it needs the softmax over all experts); use top-k >= 2")
     if m.moe_intermediate_size is not None:
-        _positive("model.moe_intermediate_size", m.moe_intermediate_size)
+        positive("model.moe_intermediate_size", m.moe_intermediate_size)
     if m.shared_expert_intermediate_size is not None and m.shared_expert_intermediate_size < 0:
-        _fail("model.shared_expert_intermediate_size", m.shared_expert_intermediate_size,
-              "must be positive, or null/0 for none")
-    _positive("model.decoder_sparse_step", m.decoder_sparse_step)
+        fail("model.shared_expert_intermediate_size", m.shared_expert_intermediate_size,
+             "must be positive, or null/0 for none")
+    positive("model.decoder_sparse_step", m.decoder_sparse_step)
     for i in m.mlp_only_layers or ():
         if not isinstance(i, int) or not 0 <= i < m.num_hidden_layers:
-            _fail("model.mlp_only_layers", list(m.mlp_only_layers),
-                  f"must list layer indices in [0, model.num_hidden_layers={m.num_hidden_layers})")
+            fail("model.mlp_only_layers", list(m.mlp_only_layers),
+                 f"must list layer indices in [0, model.num_hidden_layers={m.num_hidden_layers})")
     if not m.moe_aux_loss_coeff >= 0:
-        _fail("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be non-negative (0 leaves it off)")
+        fail("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, "must be non-negative (0 leaves it off)")
     if m.num_experts % ep:
-        _fail("megatron.expert_model_parallel_size", ep, f"must divide model.num_experts ({m.num_experts})")
+        fail("megatron.expert_model_parallel_size", ep, f"must divide model.num_experts ({m.num_experts})")
     if expert_ffn_size(m) % (etp or tp):
         key = "megatron.expert_tensor_parallel_size" if etp else "megatron.tensor_model_parallel_size"
-        _fail(key, etp or tp, f"must divide the experts' FFN size (model.moe_intermediate_size, {expert_ffn_size(m)}); "
-              "megatron.expert_tensor_parallel_size sets the experts' own split")
+        fail(key, etp or tp, f"must divide the experts' FFN size (model.moe_intermediate_size, {expert_ffn_size(m)}); "
+             "megatron.expert_tensor_parallel_size sets the experts' own split")
     if shared_expert_size(m) % tp:
-        _fail("megatron.tensor_model_parallel_size", tp,
-              f"must divide model.shared_expert_intermediate_size ({shared_expert_size(m)})")
+        fail("megatron.tensor_model_parallel_size", tp,
+             f"must divide model.shared_expert_intermediate_size ({shared_expert_size(m)})")
     if tp > 1 and not mg.sequence_parallel:
-        _fail("megatron.sequence_parallel", False, "Megatron-Core's MoE layers need sequence parallelism whenever "
-              "tensor_model_parallel_size > 1; set it to true")
+        fail("megatron.sequence_parallel", False, "Megatron-Core's MoE layers need sequence parallelism whenever "
+             "tensor_model_parallel_size > 1; set it to true")
     if ep == 1 and etp is not None and etp != tp:
-        _fail("megatron.expert_tensor_parallel_size", etp,
-              f"differs from tensor_model_parallel_size ({tp}) without expert parallelism: megatron-core then "
-              "treats the experts as dense parameters and never reduces their gradients over the ranks that "
-              "share them; leave it null (= TP) or set megatron.expert_model_parallel_size > 1")
+        fail("megatron.expert_tensor_parallel_size", etp,
+             f"differs from tensor_model_parallel_size ({tp}) without expert parallelism: megatron-core then "
+             "treats the experts as dense parameters and never reduces their gradients over the ranks that "
+             "share them; leave it null (= TP) or set megatron.expert_model_parallel_size > 1")
 
 
-def _check_rope_scaling(rope_scaling) -> None:
+def check_rope_scaling(rope_scaling, key: str = "model.rope_scaling") -> None:
+    """Megatron-Core's RoPE scaling is Llama 3's with fixed constants: the one rule for model.rope_scaling
+    and for a config.json's rope_parameters (``key`` names where the dict was read)."""
     if rope_scaling is None:
         return
     kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if kind != "llama3":
-        _fail("model.rope_scaling.rope_type", kind, "only llama3 RoPE scaling is supported (or none)")
+        fail(f"{key}.rope_type", kind, "only llama3 RoPE scaling is supported (or none)")
     known = {"rope_type", "type", "factor", *LLAMA3_ROPE_CONSTANTS}
-    for key in rope_scaling:
-        if key not in known:
-            _fail(f"model.rope_scaling.{key}", rope_scaling[key], "is not part of llama3 RoPE scaling; remove it")
+    for name in rope_scaling:
+        if name not in known:
+            fail(f"{key}.{name}", rope_scaling[name], "is not part of llama3 RoPE scaling; remove it")
     factor = rope_scaling.get("factor")
     if not isinstance(factor, (int, float)) or factor < 1:
-        _fail("model.rope_scaling.factor", factor, "must be a number >= 1")
-    for key, value in LLAMA3_ROPE_CONSTANTS.items():
-        if rope_scaling.get(key) != value:
-            _fail(f"model.rope_scaling.{key}", rope_scaling.get(key),
-                  f"Megatron-Core's llama3 RoPE scaling fixes it at {value} (as in Llama 3.1-3.3)")
+        fail(f"{key}.factor", factor, "must be a number >= 1")
+    for name, value in LLAMA3_ROPE_CONSTANTS.items():
+        if rope_scaling.get(name) != value:
+            fail(f"{key}.{name}", rope_scaling.get(name),
+                 f"Megatron-Core's llama3 RoPE scaling fixes it at {value} (as in Llama 3.1-3.3)")
+
+
+def _check_architecture(m: ModelConfig) -> None:
+    missing = [f"model.{key}" for key in REQUIRED_ARCHITECTURE if getattr(m, key) is None]
+    if missing:
+        raise ConfigError(f"{', '.join(missing)}: unset; set model.path (a Hugging Face model folder) or the whole "
+                          "architecture (megacritic.config.presets.TINY_MODEL is the embedded tiny critic)")
+    unset = [f"model.{key}" for key in ARCHITECTURE_DEFAULTS if getattr(m, key) is None]
+    if unset:
+        raise ConfigError(f"{', '.join(unset)}: unset; set them, or build the config with load_config (which "
+                          "fills them from model.path or their documented defaults)")
+    for key in REQUIRED_ARCHITECTURE:
+        positive(f"model.{key}", getattr(m, key))
+
+
+def _check_schedule(o: "OptimConfig") -> None:
+    if o.schedule_unit not in SCHEDULE_UNITS:
+        fail("optim.schedule_unit", o.schedule_unit, f"choose one of {', '.join(SCHEDULE_UNITS)}")
+    if o.lr_decay_style not in LR_DECAY_STYLES:
+        fail("optim.lr_decay_style", o.lr_decay_style, f"choose one of {', '.join(LR_DECAY_STYLES)}")
+    if not 0 <= o.lr_warmup_steps_ratio <= 1:
+        fail("optim.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, "must lie in [0, 1]")
+    if o.lr_warmup_steps < -1:
+        fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be -1 (use the ratio) or non-negative")
+    total = o.total_training_steps
+    if total == 0 or total < -1:
+        fail("optim.total_training_steps", total, "must be a positive number of steps, or -1 (unset)")
+    warms_up = o.lr_warmup_steps > 0 or (o.lr_warmup_steps == -1 and o.lr_warmup_steps_ratio > 0)
+    if total == -1 and (warms_up or o.lr_decay_style != "constant"):
+        fail("optim.total_training_steps", total,
+             f"a {o.lr_decay_style} schedule{' with warm-up' if warms_up else ''} needs its length: set the "
+             f"{o.schedule_unit}s it spans (megacritic train sets it from trainer.steps)")
+    warmup = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total)
+    if total > 0 and warmup >= total:
+        fail("optim.lr_warmup_steps", warmup,
+             f"the warm-up must be shorter than the schedule (optim.total_training_steps={total})")
 
 
 def validate(config: CriticConfig) -> None:
-    """Every check that does not need the world size. Raises ConfigError on the first problem."""
-    m, mg, o, t, d = config.model, config.megatron, config.optim, config.trainer, config.data
+    """Every check of the library's settings that does not need the world size; pure (no I/O, nothing
+    changed). Raises ConfigError on the first problem. The ``megacritic train`` settings (data.*,
+    algorithm.*, trainer.*) are the CLI's to check (megacritic.train_loop.job_config)."""
+    m, mg, o = config.model, config.megatron, config.optim
 
-    if m.path is not None:
-        # The checkpoint's config.json is the architecture: fill (and cross-check) the fields from it first,
-        # so every check below sees the real model. Idempotent, so validating twice is harmless.
-        from megacritic.hf.config import apply_hf_config
-        apply_hf_config(m)
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-        _positive(f"model.{key}", getattr(m, key))
+    _check_architecture(m)
     if m.num_attention_heads % m.num_key_value_heads:
-        _fail("model.num_key_value_heads", m.num_key_value_heads,
-              f"must divide model.num_attention_heads ({m.num_attention_heads})")
+        fail("model.num_key_value_heads", m.num_key_value_heads,
+             f"must divide model.num_attention_heads ({m.num_attention_heads})")
     if m.head_dim is None and m.hidden_size % m.num_attention_heads:
-        _fail("model.hidden_size", m.hidden_size,
-              f"must be a multiple of model.num_attention_heads ({m.num_attention_heads}), or set model.head_dim")
+        fail("model.hidden_size", m.hidden_size,
+             f"must be a multiple of model.num_attention_heads ({m.num_attention_heads}), or set model.head_dim")
     if m.head_dim is not None and (m.head_dim < 2 or m.head_dim % 2):
-        _fail("model.head_dim", m.head_dim, "must be an even positive integer (rotary embeddings)")
+        fail("model.head_dim", m.head_dim, "must be an even positive integer (rotary embeddings)")
     if m.dtype not in DTYPES:
-        _fail("model.dtype", m.dtype, f"choose one of {', '.join(DTYPES)}")
+        fail("model.dtype", m.dtype, f"choose one of {', '.join(DTYPES)}")
     if m.init_std <= 0 or m.value_head_init_std < 0:
-        _fail("model.init_std", m.init_std, "must be positive (value_head_init_std non-negative)")
+        fail("model.init_std", m.init_std, "must be positive (value_head_init_std non-negative)")
     if m.value_head_init not in VALUE_HEAD_INITS:
-        _fail("model.value_head_init", m.value_head_init, f"choose one of {', '.join(VALUE_HEAD_INITS)}")
+        fail("model.value_head_init", m.value_head_init, f"choose one of {', '.join(VALUE_HEAD_INITS)}")
     if m.value_head_init == "from_checkpoint" and m.path is None:
-        _fail("model.value_head_init", m.value_head_init, "needs model.path (a reward model with a score head)")
+        fail("model.value_head_init", m.value_head_init, "needs model.path (a reward model with a score head)")
     if m.model_type is not None and m.model_type not in MODEL_TYPES:
-        _fail("model.model_type", m.model_type, f"choose one of {', '.join(MODEL_TYPES)}")
-    _check_rope_scaling(m.rope_scaling)
+        fail("model.model_type", m.model_type, f"choose one of {', '.join(MODEL_TYPES)}")
+    check_rope_scaling(m.rope_scaling)
 
     tp, pp, vpp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.virtual_pipeline_model_parallel_size
-    _positive("megatron.tensor_model_parallel_size", tp)
-    _positive("megatron.pipeline_model_parallel_size", pp)
+    positive("megatron.tensor_model_parallel_size", tp)
+    positive("megatron.pipeline_model_parallel_size", pp)
     cp = mg.context_parallel_size
-    _positive("megatron.context_parallel_size", cp)
+    positive("megatron.context_parallel_size", cp)
     if cp > 1 and not m.use_remove_padding:
-        _fail("megatron.context_parallel_size", cp, "context parallelism splits packed micro-batches: set "
-              "model.use_remove_padding=true (or context_parallel_size=1)")
+        fail("megatron.context_parallel_size", cp, "context parallelism splits packed micro-batches: set "
+             "model.use_remove_padding=true (or context_parallel_size=1)")
     if cp > 1 and is_moe(m):
-        _fail("megatron.context_parallel_size", cp, "context parallelism is not supported with mixture-of-experts "
-              "models (model.num_experts) yet; use 1")
+        fail("megatron.context_parallel_size", cp, "context parallelism is not supported with mixture-of-experts "
+             "models (model.num_experts) yet; use 1")
     if m.num_attention_heads % tp:
-        _fail("megatron.tensor_model_parallel_size", tp,
-              f"must divide model.num_attention_heads ({m.num_attention_heads})")
+        fail("megatron.tensor_model_parallel_size", tp,
+             f"must divide model.num_attention_heads ({m.num_attention_heads})")
     if m.num_key_value_heads % tp:
-        _fail("megatron.tensor_model_parallel_size", tp,
-              f"must divide model.num_key_value_heads ({m.num_key_value_heads}), the query groups")
+        fail("megatron.tensor_model_parallel_size", tp,
+             f"must divide model.num_key_value_heads ({m.num_key_value_heads}), the query groups")
     if m.intermediate_size % tp and 0 in moe_layer_pattern(m):
-        _fail("megatron.tensor_model_parallel_size", tp,
-              f"must divide model.intermediate_size ({m.intermediate_size})")
+        fail("megatron.tensor_model_parallel_size", tp,
+             f"must divide model.intermediate_size ({m.intermediate_size})")
     _check_moe(m, mg)
     if vpp is not None and vpp > 1:
         if pp < 2:
-            _fail("megatron.virtual_pipeline_model_parallel_size", vpp,
-                  "needs megatron.pipeline_model_parallel_size >= 2; set it to null")
+            fail("megatron.virtual_pipeline_model_parallel_size", vpp,
+                 "needs megatron.pipeline_model_parallel_size >= 2; set it to null")
         if m.num_hidden_layers % (pp * vpp):
-            _fail("megatron.virtual_pipeline_model_parallel_size", vpp,
-                  f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size ({pp} x {vpp}) "
-                  f"must divide model.num_hidden_layers ({m.num_hidden_layers})")
+            fail("megatron.virtual_pipeline_model_parallel_size", vpp,
+                 f"pipeline_model_parallel_size x virtual_pipeline_model_parallel_size ({pp} x {vpp}) "
+                 f"must divide model.num_hidden_layers ({m.num_hidden_layers})")
     elif vpp is not None and vpp < 1:
-        _fail("megatron.virtual_pipeline_model_parallel_size", vpp, "must be null or a positive integer")
+        fail("megatron.virtual_pipeline_model_parallel_size", vpp, "must be null or a positive integer")
     if m.num_hidden_layers % pp:
-        _fail("megatron.pipeline_model_parallel_size", pp,
-              f"must divide model.num_hidden_layers ({m.num_hidden_layers})")
-    _positive("megatron.nccl_timeout", mg.nccl_timeout)
+        fail("megatron.pipeline_model_parallel_size", pp,
+             f"must divide model.num_hidden_layers ({m.num_hidden_layers})")
+    positive("megatron.nccl_timeout", mg.nccl_timeout)
     if mg.timing_level not in (0, 1, 2):
-        _fail("megatron.timing_level", mg.timing_level, "choose 0 (off), 1 (per step) or 2 (per micro-batch)")
+        fail("megatron.timing_level", mg.timing_level, "choose 0 (off), 1 (per step) or 2 (per micro-batch)")
 
-    _positive("ppo_mini_batch_size", config.ppo_mini_batch_size)
-    _positive("ppo_epochs", config.ppo_epochs)
+    positive("ppo_mini_batch_size", config.ppo_mini_batch_size)
+    positive("ppo_epochs", config.ppo_epochs)
     if config.use_dynamic_bsz:
         if config.ppo_max_token_len_per_gpu is None:
-            _fail("ppo_max_token_len_per_gpu", None, "use_dynamic_bsz=true needs a token budget per GPU")
-        _positive("ppo_max_token_len_per_gpu", config.ppo_max_token_len_per_gpu)
+            fail("ppo_max_token_len_per_gpu", None, "use_dynamic_bsz=true needs a token budget per GPU")
+        positive("ppo_max_token_len_per_gpu", config.ppo_max_token_len_per_gpu)
         if config.forward_max_token_len_per_gpu is not None:
-            _positive("forward_max_token_len_per_gpu", config.forward_max_token_len_per_gpu)
+            positive("forward_max_token_len_per_gpu", config.forward_max_token_len_per_gpu)
     else:
         if config.ppo_micro_batch_size_per_gpu is None:
-            _fail("ppo_micro_batch_size_per_gpu", None,
-                  "set a micro-batch size, or use_dynamic_bsz=true with ppo_max_token_len_per_gpu")
-        _positive("ppo_micro_batch_size_per_gpu", config.ppo_micro_batch_size_per_gpu)
+            fail("ppo_micro_batch_size_per_gpu", None,
+                 "set a micro-batch size, or use_dynamic_bsz=true with ppo_max_token_len_per_gpu")
+        positive("ppo_micro_batch_size_per_gpu", config.ppo_micro_batch_size_per_gpu)
         if config.forward_micro_batch_size_per_gpu is not None:
-            _positive("forward_micro_batch_size_per_gpu", config.forward_micro_batch_size_per_gpu)
+            positive("forward_micro_batch_size_per_gpu", config.forward_micro_batch_size_per_gpu)
     if config.shuffle and config.data_loader_seed is None:
-        _fail("data_loader_seed", None, "shuffle=true needs a seed (or set shuffle=false)")
+        fail("data_loader_seed", None, "shuffle=true needs a seed (or set shuffle=false)")
     if not config.cliprange_value > 0:
-        _fail("cliprange_value", config.cliprange_value, "must be positive")
+        fail("cliprange_value", config.cliprange_value, "must be positive")
     if config.loss_agg_mode not in LOSS_AGG_MODES:
-        _fail("loss_agg_mode", config.loss_agg_mode, f"choose one of {', '.join(LOSS_AGG_MODES)}")
+        fail("loss_agg_mode", config.loss_agg_mode, f"choose one of {', '.join(LOSS_AGG_MODES)}")
     if config.loss_scale_factor is not None and not config.loss_scale_factor > 0:
-        _fail("loss_scale_factor", config.loss_scale_factor, "must be positive, or null (the response width)")
+        fail("loss_scale_factor", config.loss_scale_factor, "must be positive, or null (the response width)")
     if m.attention_impl not in ATTENTION_IMPLS:
-        _fail("model.attention_impl", m.attention_impl, f"choose one of {', '.join(ATTENTION_IMPLS)}")
+        fail("model.attention_impl", m.attention_impl, f"choose one of {', '.join(ATTENTION_IMPLS)}")
     if mg.recompute_granularity is not None:
         if mg.recompute_granularity not in RECOMPUTE_GRANULARITIES:
-            _fail("megatron.recompute_granularity", mg.recompute_granularity,
-                  f"choose one of {', '.join(RECOMPUTE_GRANULARITIES)}, or null (off)")
+            fail("megatron.recompute_granularity", mg.recompute_granularity,
+                 f"choose one of {', '.join(RECOMPUTE_GRANULARITIES)}, or null (off)")
         if mg.recompute_granularity == "full":
             if mg.recompute_method not in RECOMPUTE_METHODS:
-                _fail("megatron.recompute_method", mg.recompute_method,
-                      f"recompute_granularity=full needs one of {', '.join(RECOMPUTE_METHODS)}")
-            _positive("megatron.recompute_num_layers", mg.recompute_num_layers)
+                fail("megatron.recompute_method", mg.recompute_method,
+                     f"recompute_granularity=full needs one of {', '.join(RECOMPUTE_METHODS)}")
+            positive("megatron.recompute_num_layers", mg.recompute_num_layers)
     if not 0 < mg.optimizer_offload_fraction <= 1:
-        _fail("megatron.optimizer_offload_fraction", mg.optimizer_offload_fraction, "must lie in (0, 1]")
-    if o.schedule_unit not in SCHEDULE_UNITS:
-        _fail("optim.schedule_unit", o.schedule_unit, f"choose one of {', '.join(SCHEDULE_UNITS)}")
+        fail("megatron.optimizer_offload_fraction", mg.optimizer_offload_fraction, "must lie in (0, 1]")
 
     if not o.lr > 0:
-        _fail("optim.lr", o.lr, "must be positive")
+        fail("optim.lr", o.lr, "must be positive")
     if not 0 <= o.min_lr <= o.lr:
-        _fail("optim.min_lr", o.min_lr, f"must lie in [0, optim.lr={o.lr}]")
+        fail("optim.min_lr", o.min_lr, f"must lie in [0, optim.lr={o.lr}]")
     if o.weight_decay < 0:
-        _fail("optim.weight_decay", o.weight_decay, "must be non-negative")
+        fail("optim.weight_decay", o.weight_decay, "must be non-negative")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
-        _fail("optim.betas", o.betas, "must be two numbers in [0, 1)")
+        fail("optim.betas", o.betas, "must be two numbers in [0, 1)")
     if o.clip_grad < 0:
-        _fail("optim.clip_grad", o.clip_grad, "must be non-negative (0 disables clipping)")
-    if o.lr_decay_style not in LR_DECAY_STYLES:
-        _fail("optim.lr_decay_style", o.lr_decay_style, f"choose one of {', '.join(LR_DECAY_STYLES)}")
-    if not 0 <= o.lr_warmup_steps_ratio <= 1:
-        _fail("optim.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, "must lie in [0, 1]")
-    if o.lr_warmup_steps < -1:
-        _fail("optim.lr_warmup_steps", o.lr_warmup_steps, "must be -1 (use the ratio) or non-negative")
-
-    _positive("trainer.steps", t.steps)
-    _positive("trainer.max_consecutive_skips", t.max_consecutive_skips)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 1 <= i <= t.steps for i in t.profile_steps):
-        _fail("trainer.profile_steps", t.profile_steps, f"list iterations between 1 and trainer.steps ({t.steps})")
-    if t.save_every < 0:
-        _fail("trainer.save_every", t.save_every, "must be 0 (no checkpoints) or a positive number of iterations")
-    _positive("data.rollouts_per_step", d.rollouts_per_step)
-    if d.path is not None and not os.path.isfile(d.path):
-        _fail("data.path", d.path, "no such file (a .parquet or .jsonl rollout file)")
-    for key in ("gamma", "lam"):
-        if not 0 <= getattr(config.algorithm, key) <= 1:
-            _fail(f"algorithm.{key}", getattr(config.algorithm, key), "must lie in [0, 1]")
-    for key in ("prompt_length", "response_length"):
-        lo_hi = getattr(d, key)
-        if len(lo_hi) != 2 or not 1 <= lo_hi[0] <= lo_hi[1]:
-            _fail(f"data.{key}", lo_hi, "must be [min, max] with 1 <= min <= max")
-    if d.prompt_length[1] + d.response_length[1] > m.max_position_embeddings:
-        _fail("data.response_length", d.response_length,
-              f"prompt + response ({d.prompt_length[1]} + {d.response_length[1]}) exceed "
-              f"model.max_position_embeddings ({m.max_position_embeddings})")
-    if d.rollouts_per_step % config.ppo_mini_batch_size:
-        _fail("data.rollouts_per_step", d.rollouts_per_step,
-              f"must be a multiple of ppo_mini_batch_size ({config.ppo_mini_batch_size})")
+        fail("optim.clip_grad", o.clip_grad, "must be non-negative (0 disables clipping)")
+    _check_schedule(o)
 
 
 def validate_layout(config: CriticConfig, world_size: int) -> int:
@@ -629,18 +637,18 @@ def validate_layout(config: CriticConfig, world_size: int) -> int:
             f"({expert_parallel}); change megatron.expert_model_parallel_size / expert_tensor_parallel_size or "
             "the number of processes")
     if config.ppo_mini_batch_size % dp:
-        _fail("ppo_mini_batch_size", config.ppo_mini_batch_size,
-              f"must be a multiple of the data-parallel size ({dp})")
+        fail("ppo_mini_batch_size", config.ppo_mini_batch_size,
+             f"must be a multiple of the data-parallel size ({dp})")
     vpp = mg.virtual_pipeline_model_parallel_size
     if not config.use_dynamic_bsz:
         per_rank = config.ppo_mini_batch_size // dp
         micro = config.ppo_micro_batch_size_per_gpu
         if per_rank % micro:
-            _fail("ppo_micro_batch_size_per_gpu", micro,
-                  f"must divide the mini-batch per data-parallel rank "
-                  f"(ppo_mini_batch_size {config.ppo_mini_batch_size} / {dp} ranks = {per_rank})")
+            fail("ppo_micro_batch_size_per_gpu", micro,
+                 f"must divide the mini-batch per data-parallel rank "
+                 f"(ppo_mini_batch_size {config.ppo_mini_batch_size} / {dp} ranks = {per_rank})")
         if vpp and vpp > 1 and (per_rank // micro) % mg.pipeline_model_parallel_size:
-            _fail("ppo_micro_batch_size_per_gpu", micro,
-                  f"the interleaved pipeline needs a multiple of pipeline_model_parallel_size "
-                  f"({mg.pipeline_model_parallel_size}) micro-batches per mini-batch; got {per_rank // micro}")
+            fail("ppo_micro_batch_size_per_gpu", micro,
+                 f"the interleaved pipeline needs a multiple of pipeline_model_parallel_size "
+                 f"({mg.pipeline_model_parallel_size}) micro-batches per mini-batch; got {per_rank // micro}")
     return dp

@@ -1,0 +1,61 @@
+"""FLOPs of the real (unpadded) tokens and the device's peak: the MFU of ``megacritic train``'s perf/mfu and
+of ``megacritic bench``.
+
+Counted as 2 per multiply-add of the matmuls plus causal attention (QK^T and PV over the tokens before each
+one); a backward pass counts twice a forward. Mixture-of-experts layers count the experts each token runs
+through, not all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from megacritic.config.schema import ModelConfig, expert_ffn_size, moe_layer_pattern, shared_expert_size
+
+PEAK_FLOPS = {"nvidia-h200": 989e12, "cpu": float("nan")}  # dense bf16, spec sheet
+
+
+def machine_kind() -> str:
+    """The device this process computes on, as a short name (the key of PEAK_FLOPS and of bench results)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    return "nvidia-h200" if "h200" in name else name.replace(" ", "-")
+
+
+def peak_flops() -> float:
+    """Dense bf16 peak FLOP/s of this device; NaN where unknown (CPU, an unlisted GPU)."""
+    return PEAK_FLOPS.get(machine_kind(), float("nan"))
+
+
+def forward_flops(shape: Mapping, seq_lens: list[int]) -> float:
+    """Forward FLOPs of the real tokens of a dense model of ``shape`` (ModelConfig's field names): matmuls
+    (2 per multiply-add) plus causal attention (QK^T, PV)."""
+    h, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape.get("head_dim") or h // heads
+    q_dim, kv_dim = heads * d, kv * d
+    per_token = 2 * (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * shape["intermediate_size"] + h)
+    tokens = sum(seq_lens)
+    attention = sum(2 * 2 * q_dim * s * (s + 1) / 2 for s in seq_lens)
+    return shape["num_hidden_layers"] * (per_token * tokens + attention)
+
+
+def active_shape(model: ModelConfig) -> dict:
+    """``model`` as forward_flops counts it. With experts, a token's FFN in an MoE layer is its top-k
+    experts, the shared expert and the router (one [h, E] matmul, a third of an FFN of width E); the FFN
+    width given is the mean of that over the layers, so the count stays exact."""
+    shape = dataclasses.asdict(model)
+    pattern = moe_layer_pattern(model)
+    if any(pattern):
+        moe = (model.num_experts_per_tok * expert_ffn_size(model) + shared_expert_size(model)
+               + model.num_experts / 3)
+        shape["intermediate_size"] = sum(moe if p else model.intermediate_size for p in pattern) / len(pattern)
+    return shape
+
+
+def model_forward_flops(model: ModelConfig, seq_lens: list[int]) -> float:
+    """Forward FLOPs of the real tokens through ``model``, dense or mixture-of-experts."""
+    return forward_flops(active_shape(model), seq_lens)
