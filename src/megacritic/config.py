@@ -3,10 +3,10 @@
 Key names follow verl's critic config (``ppo_mini_batch_size``, ``megatron.tensor_model_parallel_size``,
 ``optim.lr`` ...) so an existing verl critic section can be pasted in. Sections of our own live under
 ``trainer.*`` and ``data.*``. Every check that can be made before a model is built is made by
-:func:`validate` (static) and :func:`validate_layout` (needs the world size); each failure is a
-:class:`ConfigError` naming the dotted key, the value received and the fix. A validated config is
-never mutated: values derived from it (per-rank batch sizes, effective sequence parallelism) live in
-:class:`~megacritic.worker.Layout`.
+:func:`validate` (static) and :class:`~megacritic.parallel.ParallelLayout` (needs the world size); each
+failure is a :class:`ConfigError` naming the dotted key, the value received and the fix. A validated config
+is never mutated: values derived from it (data-parallel size, effective sequence parallelism) live in
+:class:`~megacritic.parallel.ParallelLayout`.
 """
 
 from __future__ import annotations
@@ -608,39 +608,3 @@ def validate(config: CriticConfig) -> None:
     if d.rollouts_per_step % config.ppo_mini_batch_size:
         _fail("data.rollouts_per_step", d.rollouts_per_step,
               f"must be a multiple of ppo_mini_batch_size ({config.ppo_mini_batch_size})")
-
-
-def validate_layout(config: CriticConfig, world_size: int) -> int:
-    """Checks that need the world size; returns the data-parallel size."""
-    mg = config.megatron
-    model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
-    if world_size % model_parallel:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by megatron.tensor_model_parallel_size x "
-            f"megatron.pipeline_model_parallel_size x megatron.context_parallel_size ({mg.tensor_model_parallel_size}"
-            f" x {mg.pipeline_model_parallel_size} x {mg.context_parallel_size} = {model_parallel}); change them or "
-            f"the number of processes")
-    dp = world_size // model_parallel
-    expert_parallel = (mg.expert_tensor_parallel_size or mg.tensor_model_parallel_size) * \
-        mg.expert_model_parallel_size * mg.pipeline_model_parallel_size
-    if world_size % expert_parallel:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by expert tensor x expert model x pipeline parallel sizes "
-            f"({expert_parallel}); change megatron.expert_model_parallel_size / expert_tensor_parallel_size or "
-            "the number of processes")
-    if config.ppo_mini_batch_size % dp:
-        _fail("ppo_mini_batch_size", config.ppo_mini_batch_size,
-              f"must be a multiple of the data-parallel size ({dp})")
-    vpp = mg.virtual_pipeline_model_parallel_size
-    if not config.use_dynamic_bsz:
-        per_rank = config.ppo_mini_batch_size // dp
-        micro = config.ppo_micro_batch_size_per_gpu
-        if per_rank % micro:
-            _fail("ppo_micro_batch_size_per_gpu", micro,
-                  f"must divide the mini-batch per data-parallel rank "
-                  f"(ppo_mini_batch_size {config.ppo_mini_batch_size} / {dp} ranks = {per_rank})")
-        if vpp and vpp > 1 and (per_rank // micro) % mg.pipeline_model_parallel_size:
-            _fail("ppo_micro_batch_size_per_gpu", micro,
-                  f"the interleaved pipeline needs a multiple of pipeline_model_parallel_size "
-                  f"({mg.pipeline_model_parallel_size}) micro-batches per mini-batch; got {per_rank // micro}")
-    return dp
