@@ -160,11 +160,11 @@ import sys
 import time
 
 from megacritic.cli import main
-from megacritic.critic import MegatronPPOCritic
+from megacritic.schedule import Schedule
 
 if __name__ == "__main__":
     if os.environ["RANK"] == "1":
-        original, calls = MegatronPPOCritic._forward_step, []
+        original, calls = Schedule._forward_step, []
 
         def faulty(self, forward_only, *args):
             if not forward_only:
@@ -177,7 +177,7 @@ if __name__ == "__main__":
                     time.sleep(3600)
             return original(self, forward_only, *args)
 
-        MegatronPPOCritic._forward_step = faulty
+        Schedule._forward_step = faulty
     sys.exit(main())
 '''
 

@@ -1,4 +1,5 @@
-"""Tests of megacritic.config: loading (defaults < base < YAML < overrides), validate and validate_layout.
+"""Tests of megacritic.config: loading (defaults < base < YAML < overrides) and validate (the layout checks that
+need the world size: tests/test_parallel.py).
 
 Every failure must be a ConfigError whose message names the dotted key at fault.
 """
@@ -11,7 +12,8 @@ import random
 import pytest
 
 from megacritic.config import (TINY_MODEL, TINY_MODEL_OVERRIDES, ConfigError, CriticConfig, load_config, tiny_model,
-                               validate, validate_layout)
+                               validate)
+from megacritic.parallel import ParallelLayout
 
 TINY_BASE = {"model": dict(TINY_MODEL)}
 
@@ -35,7 +37,6 @@ def test_defaults_with_the_tiny_preset_load_and_validate():
     assert config == dataclasses.replace(CriticConfig(), model=tiny_model())
     assert load_config([], base=TINY_BASE) == config
     assert load_config(base=TINY_BASE) == config
-    assert validate_layout(config, 1) == 1
 
 
 def test_a_model_needs_a_path_or_its_whole_architecture():
@@ -83,7 +84,9 @@ def test_base_mapping_is_layered_under_the_file_and_the_overrides(tmp_path):
 def test_the_library_does_not_read_settings_only_the_cli_reads():
     # issue 15: a mini-batch of 6 does not divide the CLI's data.rollouts_per_step default (64); no matter
     config = load_config([*TINY_MODEL_OVERRIDES, "ppo_mini_batch_size=6", "ppo_micro_batch_size_per_gpu=3"])
-    assert (config.ppo_mini_batch_size, validate_layout(config, 2)) == (6, 2)
+    layout = ParallelLayout.from_config(config.megatron, 2)
+    layout.check_batch_sizes(config)
+    assert (config.ppo_mini_batch_size, layout.dp) == (6, 2)
     assert config.data.rollouts_per_step == 64  # carried, not checked
 
 
@@ -235,7 +238,6 @@ BASE = [
 def test_base_is_valid():
     config = load_config(BASE)
     assert config.model.num_attention_heads == 4
-    assert validate_layout(config, 1) == 1
 
 
 def test_later_override_wins():
@@ -290,92 +292,10 @@ def test_validate_checks_a_config_built_in_code():
         validate(config)
 
 
-# ------------------------------------------------------------------------------------ validate_layout
-
-
-def test_layout_world_size_not_divisible_by_model_parallel():
-    config = load_config(BASE + ["megatron.tensor_model_parallel_size=2", "megatron.pipeline_model_parallel_size=2"])
-    with pytest.raises(ConfigError) as info:
-        validate_layout(config, 6)
-    message = str(info.value)
-    assert "world size 6" in message
-    assert "megatron." in message
-
-
 def test_context_parallel_without_packing_names_the_fix():
     message = _raises_naming("model.use_remove_padding",
                              BASE + ["megatron.context_parallel_size=2", "model.use_remove_padding=false"])
     assert "use_remove_padding=true" in message
-
-
-@pytest.mark.parametrize("world_size", [2, 6, 12])
-def test_layout_world_size_not_divisible_by_tp_x_pp_x_cp(world_size):
-    config = load_config(BASE + ["megatron.tensor_model_parallel_size=2", "megatron.pipeline_model_parallel_size=2",
-                                 "megatron.context_parallel_size=2"])
-    with pytest.raises(ConfigError) as info:
-        validate_layout(config, world_size)
-    for key in ("megatron.tensor_model_parallel_size", "megatron.pipeline_model_parallel_size",
-                "megatron.context_parallel_size"):
-        assert key in str(info.value)
-
-
-def test_layout_mini_batch_not_divisible_by_dp_with_context_parallel():
-    # world 12 / (cp 2 x tp 2) = dp 3 does not divide 16
-    config = load_config(BASE + ["megatron.context_parallel_size=2", "megatron.tensor_model_parallel_size=2",
-                                 "ppo_micro_batch_size_per_gpu=1"])
-    with pytest.raises(ConfigError, match="ppo_mini_batch_size"):
-        validate_layout(config, 12)
-
-
-def test_layout_mini_batch_not_divisible_by_dp():
-    config = load_config(BASE + ["ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=1", "data.rollouts_per_step=48"])
-    with pytest.raises(ConfigError, match="ppo_mini_batch_size"):
-        validate_layout(config, 3)  # dp = 3
-
-
-def test_layout_per_rank_mini_batch_not_divisible_by_micro_batch():
-    # 16 sequences over dp=4 -> 4 per rank, micro-batch 3 does not divide it
-    config = load_config(BASE + ["ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=3"])
-    with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu"):
-        validate_layout(config, 4)
-
-
-def test_layout_vpp_needs_micro_batch_count_multiple_of_pp():
-    # pp=4, vpp=2, world 4 -> dp=1; 16 / 8 = 2 micro-batches, not a multiple of 4
-    config = load_config(BASE + [
-        "model.num_hidden_layers=8",
-        "megatron.pipeline_model_parallel_size=4",
-        "megatron.virtual_pipeline_model_parallel_size=2",
-        "ppo_mini_batch_size=16",
-        "ppo_micro_batch_size_per_gpu=8",
-    ])
-    with pytest.raises(ConfigError, match="ppo_micro_batch_size_per_gpu"):
-        validate_layout(config, 4)
-    # with 4 micro-batches the same layout is fine
-    config.ppo_micro_batch_size_per_gpu = 4
-    assert validate_layout(config, 4) == 1
-
-
-@pytest.mark.parametrize("overrides, world_size, dp", [
-    ([], 1, 1),
-    (["ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=2"], 8, 8),
-    (["megatron.tensor_model_parallel_size=2", "ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=4"], 8, 4),
-    (["megatron.tensor_model_parallel_size=2", "megatron.pipeline_model_parallel_size=2",
-      "ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=4"], 8, 2),
-    (["model.num_hidden_layers=4", "megatron.pipeline_model_parallel_size=2",
-      "megatron.virtual_pipeline_model_parallel_size=2", "ppo_mini_batch_size=16",
-      "ppo_micro_batch_size_per_gpu=4"], 4, 2),
-    (["use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=512", "ppo_micro_batch_size_per_gpu=null"], 4, 4),
-    (["megatron.context_parallel_size=2", "ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=4"], 8, 4),
-    (["megatron.context_parallel_size=2", "megatron.tensor_model_parallel_size=2",
-      "megatron.pipeline_model_parallel_size=2", "ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=4"], 16, 2),
-    (["model.num_hidden_layers=4", "megatron.context_parallel_size=2", "megatron.pipeline_model_parallel_size=2",
-      "megatron.virtual_pipeline_model_parallel_size=2", "ppo_mini_batch_size=16",
-      "ppo_micro_batch_size_per_gpu=4"], 8, 2),
-])
-def test_layout_valid_returns_dp(overrides, world_size, dp):
-    config = load_config(BASE + overrides)
-    assert validate_layout(config, world_size) == dp
 
 
 # ------------------------------------------------------------------------------------------ import graph

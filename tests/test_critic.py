@@ -1,15 +1,241 @@
-"""MegatronPPOCritic's step logic in a world of one: rows and mini-batches without response tokens, and
-the timing_s/* metrics from Megatron's timers."""
+"""MegatronPPOCritic: the PPO loop against a fake schedule with no Megatron world (mini-batches, epochs,
+shuffle, loss weights, skipped and empty steps, metrics, LR schedule unit, operation names); then its step
+logic in a real world of one (rows and mini-batches without response tokens, the timing_s/* metrics from
+Megatron's timers)."""
 
 import logging
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megacritic import CriticWorker, load_config
 from megacritic.config import TINY_MODEL_OVERRIDES
+from megacritic.critic import MegatronPPOCritic
+from megacritic.data.rollouts import mini_batch_indices, rollouts_from_batch
 from megacritic.data.sources import SyntheticRollouts
+from megacritic.losses import token_weights, value_loss_and_stats
+from megacritic.model.weights import ExpertRanks
+from megacritic.packing.micro_batches import MicroBatchPolicy
+from megacritic.parallel import ParallelLayout, Ranks
+from megacritic.schedule import Pass, StepTimers
+
+# ---------------------------------------------------------------- the PPO loop with a fake schedule
+
+FAKE = [*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2", "ppo_epochs=2",
+        "shuffle=true", "data.response_length=[2,10]"]
+
+
+class FakeBuffer:
+    def __init__(self):
+        self.grad_data = torch.zeros(3)
+
+
+class FakeChunk:
+    """What the critic touches of a Megatron DDP chunk."""
+
+    def __init__(self):
+        self.training, self.buffers, self.expert_parallel_buffers = True, [FakeBuffer()], []
+        self.zeroed = 0
+
+    def train(self, mode=True):
+        self.training = mode
+
+    def eval(self):
+        self.training = False
+
+    def zero_grad_buffer(self):
+        self.zeroed += 1
+        for b in self.buffers:
+            b.grad_data.zero_()
+
+
+class FakeOptimizer:
+    def __init__(self, lr=1e-3):
+        self.param_groups, self.steps, self.zeroed = [{"lr": lr}], 0, 0
+
+    def step(self):
+        self.steps += 1
+        return True, 0.5, None
+
+    def zero_grad(self):
+        self.zeroed += 1
+
+
+class FakeScheduler:
+    def __init__(self, optimizer):
+        self.optimizer, self.increments = optimizer, 0
+
+    def step(self, increment):
+        self.increments += increment
+        self.optimizer.param_groups[0]["lr"] /= 2  # so each step's reported lr shows when the schedule moved
+
+
+class FakeSchedule:
+    """Stands in for megacritic.schedule.Schedule: records what the critic hands it; the value of a token is
+    its row's id (carried in the batch's old values) plus 0.25; a training pass reports the real loss sums."""
+
+    def __init__(self, policy, chunk, nan_loss=False, inf_grad=False, fail=False):
+        self.policy, self.timers, self.calls, self.chunk = policy, StepTimers(None, 0), [], chunk
+        self.nan_loss, self.inf_grad, self.fail = nan_loss, inf_grad, fail
+
+    def run(self, local, weights=None, mini_batch_tokens=0):
+        if self.fail:
+            raise RuntimeError("a peer died")
+        parts = [list(range(len(local)))[::-1]]  # in an order of its own: the critic must restore input order
+        rows = torch.tensor(parts[0])
+        if weights is None:
+            self.calls.append(("forward", local))
+            return Pass(parts, [{"values": (local.response_mask[rows] * (local.prompt_lens[rows, None] + 0.25))}], 0.0)
+        self.calls.append(("train", local, weights, mini_batch_tokens))
+        vpreds = local.values + 0.25
+        if self.nan_loss:
+            vpreds = vpreds * float("nan")
+        _, stats = value_loss_and_stats(vpreds, local.values, local.returns, weights, local.response_mask, 0.5)
+        if self.inf_grad:
+            self.chunk.buffers[0].grad_data[0] = float("inf")
+        return Pass(parts, [stats], 0.01)
+
+
+def _critic(overrides=(), **schedule):
+    config = load_config(FAKE + list(overrides))
+    layout = ParallelLayout.from_config(config.megatron, 1)
+    ranks = Ranks(rank=0, dp_rank=0, cp_rank=0, tp_rank=0, pp_rank=0, is_last_stage=True, experts=ExpertRanks(),
+                  device=torch.device("cpu"))
+    chunk, optimizer = FakeChunk(), FakeOptimizer()
+    schedule = FakeSchedule(MicroBatchPolicy.from_config(config, layout), chunk, **schedule)
+    critic = MegatronPPOCritic(config, layout, ranks, [chunk], schedule, optimizer, FakeScheduler(optimizer))
+    return critic, config
+
+
+def _batch(config):
+    batch = SyntheticRollouts(config).batch(0)
+    r = batch["responses"].shape[1]
+    ids = torch.arange(len(batch), dtype=torch.float32)[:, None].expand(-1, r)
+    batch["values"] = ids * batch["attention_mask"][:, -r:]  # row i's old values: i on its response tokens
+    batch["returns"] = batch["values"].clone()
+    return batch
+
+
+def _row_ids(rollouts):
+    return rollouts.values[:, 0].long().tolist()  # every response has at least 2 tokens
+
+
+def test_the_loop_runs_without_a_distributed_world():
+    assert not dist.is_initialized()
+    critic, config = _critic()
+    metrics = critic.update_critic(_batch(config))
+    assert not dist.is_initialized()
+    assert len(metrics["critic/vf_loss"]) == 4  # 2 epochs x 2 mini-batches
+
+
+def test_mini_batches_epochs_and_shuffle():
+    critic, config = _critic()
+    batch = _batch(config)
+    for call in range(2):
+        critic.schedule.calls.clear()
+        critic.update_critic(batch)
+        expected = mini_batch_indices(8, 4, 2, True, config.data_loader_seed, call_index=call)
+        got = [_row_ids(local) for _, local, _, _ in critic.schedule.calls]
+        assert got == [rows.tolist() for rows in expected]
+    first = mini_batch_indices(8, 4, 2, True, config.data_loader_seed, call_index=0)
+    assert [r.tolist() for r in first] != [r.tolist() for r in expected]  # a new shuffle per call
+    assert all(sorted(sum((r.tolist() for r in expected[e * 2:e * 2 + 2]), [])) == list(range(8)) for e in (0, 1))
+
+
+@pytest.mark.parametrize("overrides", [[], ["loss_agg_mode=token-sum"], ["loss_agg_mode=seq-mean-token-mean"],
+                                       ["loss_agg_mode=seq-mean-token-sum-norm"],
+                                       ["loss_agg_mode=seq-mean-token-sum-norm", "loss_scale_factor=3.5"]])
+def test_weights_are_those_of_the_whole_mini_batch(overrides):
+    critic, config = _critic(["shuffle=false", *overrides])
+    batch = _batch(config)
+    critic.update_critic(batch)
+    rollouts = rollouts_from_batch(batch, need_targets=True)
+    for (_, local, weights, tokens), rows in zip(critic.schedule.calls, mini_batch_indices(8, 4, 2, False, 1)):
+        mini = rollouts.select(rows)
+        expected = token_weights(mini.response_mask, config.loss_agg_mode, horizon=config.loss_scale_factor)
+        assert torch.equal(weights, expected)
+        assert tokens == int(mini.seq_lens.sum())
+    if config.loss_scale_factor:  # the horizon is loss_scale_factor, not the response width
+        assert float(weights.sum()) == pytest.approx(float(mini.response_mask.sum()) / (3.5 * 4))
+
+
+def test_metrics_of_every_step():
+    critic, config = _critic()
+    metrics = critic.update_critic(_batch(config))
+    assert set(metrics) == {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/vf_explained_var",
+                            "critic/response_tokens", "critic/grad_norm", "critic/lr", "critic/skipped_steps",
+                            "critic/empty_steps", "perf/real_tokens", "perf/tokens_per_s", "timing_s/step",
+                            "timing_s/data"}
+    assert all(len(v) == 4 for v in metrics.values())
+    assert metrics["critic/grad_norm"] == [0.5] * 4 and metrics["critic/skipped_steps"] == [0.0] * 4
+    assert all(t > 0.01 for t in metrics["timing_s/data"])  # the schedule's data time and a share of the check
+    # predictions are the old values (= the returns) + 0.25, inside the clip range: 0.5 x 0.25^2 per token
+    assert metrics["critic/vf_loss"] == pytest.approx([0.5 * 0.25 ** 2] * 4)
+    assert critic.optimizer.steps == 4
+
+
+def test_empty_mini_batch_is_skipped_with_the_same_metric_keys(caplog):
+    critic, config = _critic(["shuffle=false", "ppo_epochs=1"])
+    batch = _batch(config)
+    r = batch["responses"].shape[1]
+    batch["response_mask"] = batch["attention_mask"][:, -r:].float()
+    batch["response_mask"][:4] = 0  # the first mini-batch has no response token
+    with caplog.at_level(logging.WARNING, logger="megacritic.critic"):
+        metrics = critic.update_critic(batch)
+    assert "no response tokens" in caplog.text
+    assert metrics["critic/empty_steps"] == [1.0, 0.0]
+    assert [c[0] for c in critic.schedule.calls] == ["train"]  # the empty one never reached the schedule
+    assert critic.optimizer.steps == 1 and critic.scheduler.increments == 1
+    assert metrics["critic/vf_explained_var"][0] == 0.0 and metrics["perf/tokens_per_s"][0] == 0.0
+    assert all(math.isfinite(v[0]) for v in metrics.values())
+
+
+@pytest.mark.parametrize("fault", ["nan_loss", "inf_grad"])
+def test_non_finite_step_is_skipped(fault):
+    critic, config = _critic(["ppo_epochs=1"], **{fault: True})
+    zeroed = critic.model[0].zeroed
+    metrics = critic.update_critic(_batch(config))
+    assert metrics["critic/skipped_steps"] == [1.0, 1.0]
+    assert all(math.isnan(g) for g in metrics["critic/grad_norm"])
+    assert critic.optimizer.steps == 0 and critic.scheduler.increments == 0
+    assert critic.model[0].zeroed - zeroed == 4  # before each step, and again to drop the bad gradients
+    assert critic.model[0].buffers[0].grad_data.isfinite().all()
+
+
+@pytest.mark.parametrize("unit, increments", [("step", 4), ("call", 1)])
+def test_lr_schedule_unit(unit, increments):
+    critic, config = _critic([f"optim.schedule_unit={unit}"])
+    metrics = critic.update_critic(_batch(config))
+    assert critic.scheduler.increments == increments
+    if unit == "step":
+        assert metrics["critic/lr"] == [1e-3, 5e-4, 2.5e-4, 1.25e-4]
+    else:  # every step of a call runs at the call's LR; the schedule advances at its end
+        assert metrics["critic/lr"] == [1e-3] * 4 and critic.optimizer.param_groups[0]["lr"] == 5e-4
+
+
+def test_values_come_back_in_input_order_and_modes_are_restored():
+    critic, config = _critic()
+    batch = _batch(config)
+    values = critic.compute_values(batch)
+    rollouts = rollouts_from_batch(batch, need_targets=False)
+    assert torch.equal(values, rollouts.response_mask * (rollouts.prompt_lens[:, None] + 0.25))
+    assert critic.model[0].training
+
+
+def test_operation_names_what_failed():
+    critic, config = _critic(fail=True)
+    assert critic.operation == "idle"
+    with pytest.raises(RuntimeError, match="peer"):
+        critic.update_critic(_batch(config))
+    assert critic.operation.startswith("update_critic: forward/backward")
+    critic.schedule.fail = False
+    critic.update_critic(_batch(config))
+    assert critic.operation == "idle"
+
+
+# ---------------------------------------------------------------- in a real world of one
 
 BASE = [*TINY_MODEL_OVERRIDES,
         "data.rollouts_per_step=8", "model.num_hidden_layers=2", "data.response_length=[2,10]", "shuffle=false",
@@ -50,7 +276,7 @@ def _with_masked_rows(batch, n=4):
     return torch.cat([batch, extra])
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+@pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                                   "seq-mean-token-sum-norm"])
 def test_masked_rows_contribute_nothing(mode):
     plain, _, _ = _run([f"loss_agg_mode={mode}", "ppo_mini_batch_size=8"])

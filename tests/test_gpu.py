@@ -15,12 +15,13 @@ def test_varlen_attention_matches_per_sequence_sdpa():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megacritic.config import tiny_model
+    from megacritic.config import MegatronConfig, tiny_model
     from megacritic.model import layers
     from megacritic.model.value_model import transformer_config
+    from megacritic.parallel import ParallelLayout
 
-    config = transformer_config(tiny_model(), tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.bfloat16,
-                                on_cpu=False, variable_seq_lengths=False)
+    config = transformer_config(tiny_model(), ParallelLayout.from_config(MegatronConfig(), 1), dtype=torch.bfloat16,
+                                on_cpu=False)
     attn = layers.SDPAttention(config, 1, AttnMaskType.causal, "self")
     lens = [300, 17, 1024, 5, 600]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -47,12 +48,13 @@ def test_context_parallel_varlen_attention_matches_exact_attention():
 
     from megacritic.packing.context_parallel import context_parallel_split
     from megacritic.packing.pack import round_up
-    from megacritic.config import tiny_model
+    from megacritic.config import MegatronConfig, tiny_model
     from megacritic.model import layers
     from megacritic.model.value_model import transformer_config
+    from megacritic.parallel import ParallelLayout
 
-    config = transformer_config(tiny_model(), tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.bfloat16,
-                                on_cpu=False, variable_seq_lengths=False, cp=2)
+    config = transformer_config(tiny_model(), ParallelLayout.from_config(MegatronConfig(context_parallel_size=2), 2),
+                                dtype=torch.bfloat16, on_cpu=False)
     attn = layers.SDPAttention(config, 1, AttnMaskType.causal, "self")
     cp = 2
     spans = [round_up(n, 2 * cp) for n in (301, 17, 1025, 5, 600)]  # odd rollouts padded to 2 x CP

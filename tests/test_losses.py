@@ -10,11 +10,12 @@ from megacritic.losses import (
     clipped_value_loss,
     metrics_from_sums,
     stack_stats,
+    step_metrics,
     token_weights,
     value_loss_and_stats,
 )
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 # ---------------------------------------------------------------- reference implementation
@@ -29,6 +30,8 @@ def ref_agg_loss(loss_mat, mask, mode, horizon=None):
         num = sum(l * m for lr, mr in zip(loss_mat, mask) for l, m in zip(lr, mr))
         den = sum(m for mr in mask for m in mr)
         return num / den if den else 0.0
+    if mode == "token-sum":  # verl 0.9: the sum of the token losses over the whole (global) batch
+        return sum(l * m for lr, mr in zip(loss_mat, mask) for l, m in zip(lr, mr))
     per_seq = []
     for lr, mr in zip(loss_mat, mask):
         n_tok = sum(mr)
@@ -92,7 +95,7 @@ def test_token_weights_bool_and_float_masks_agree():
         assert torch.equal(token_weights(mask, mode), token_weights(mask.bool(), mode))
 
 
-@pytest.mark.parametrize("horizon", [None, 5, 16, 100])
+@pytest.mark.parametrize("horizon", [None, 5, 16, 100, 2.5])
 def test_token_weights_seq_mean_token_sum_norm_horizon(horizon):
     gen = torch.Generator().manual_seed(7)
     mask = right_padded_mask(gen, 7, 10)
@@ -113,6 +116,8 @@ def test_token_weights_hand_computed():
                          [0.0, 0.0, 0.0, 0.0]])
     # token-mean: 4 tokens
     assert torch.allclose(token_weights(mask, "token-mean"), mask.double() / 4)
+    # token-sum: every response token weighs 1
+    assert torch.equal(token_weights(mask, "token-sum"), mask.double())
     # seq-mean-token-sum: 2 valid sequences
     assert torch.allclose(token_weights(mask, "seq-mean-token-sum"), mask.double() / 2)
     # seq-mean-token-mean: row 0 -> 1/(3*2), row 1 -> 1/(1*2)
@@ -125,7 +130,7 @@ def test_token_weights_hand_computed():
 
 def test_token_weights_unknown_mode():
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        token_weights(torch.ones(2, 3), "token-sum")
+        token_weights(torch.ones(2, 3), "seq-mean")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -351,3 +356,35 @@ def test_stack_stats_order_and_sum():
     total = stack_stats([s1, s2], "cpu")
     assert total.tolist() == [11.0 * i for i in range(len(STAT_KEYS))]
     assert stack_stats([], "cpu").tolist() == [0.0] * len(STAT_KEYS)
+
+
+# ---------------------------------------------------------------- step_metrics
+
+TIMERS = {"timing_s/forward_backward": 0.25, "timing_s/optimizer": 0.125}
+
+
+def _sums(**values):
+    return torch.tensor([values.get(k, 0.0) for k in STAT_KEYS], dtype=torch.float64)
+
+
+def test_step_metrics_of_a_step_taken():
+    sums = _sums(loss=0.5, tokens=4, clipped=1, vpred=2, ret=4, ret_sq=6, err=2, err_sq=3)
+    m = step_metrics(sums, grad_norm=1.5, lr=1e-3, skipped=False, empty=False, tokens=40, seconds=2.0,
+                     data_seconds=0.5, timers=TIMERS, moe_aux_loss=0.75)
+    assert m == {**metrics_from_sums(sums), "critic/grad_norm": 1.5, "critic/lr": 1e-3, "critic/skipped_steps": 0.0,
+                 "critic/empty_steps": 0.0, "perf/real_tokens": 40.0, "perf/tokens_per_s": 20.0,
+                 "timing_s/step": 2.0, "timing_s/data": 0.5, **TIMERS, "critic/moe_aux_loss": 0.75}
+
+
+def test_step_metrics_of_an_empty_and_of_a_skipped_step_have_the_same_keys():
+    taken = step_metrics(_sums(tokens=4, ret=1, ret_sq=2), grad_norm=1.0, lr=1e-3, skipped=False, empty=False,
+                         tokens=40, seconds=1.0, data_seconds=0.1, timers=TIMERS)
+    skipped = step_metrics(_sums(loss=float("nan"), tokens=4, ret=1, ret_sq=2), grad_norm=float("nan"), lr=1e-3,
+                           skipped=True, empty=False, tokens=40, seconds=1.0, data_seconds=0.1, timers=TIMERS)
+    empty = step_metrics(_sums(), grad_norm=0.0, lr=1e-3, skipped=False, empty=True, tokens=0, seconds=0.0,
+                         data_seconds=0.0, timers=dict.fromkeys(TIMERS, 0.0))
+    assert set(taken) == set(skipped) == set(empty)
+    assert skipped["critic/skipped_steps"] == 1.0 and math.isnan(skipped["critic/grad_norm"])
+    assert empty["critic/empty_steps"] == 1.0 and empty["critic/skipped_steps"] == 0.0
+    # nothing ran and there is nothing to explain: zeros, not NaN or a division by zero
+    assert all(v == 0.0 for k, v in empty.items() if k not in ("critic/empty_steps", "critic/lr"))

@@ -5,7 +5,7 @@ import torch
 from tensordict import TensorDict
 
 from megacritic import BatchError, CriticWorker, load_config
-from megacritic.config import TINY_MODEL_OVERRIDES
+from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError
 from megacritic.data.sources import SyntheticRollouts
 
 OVERRIDES = [*TINY_MODEL_OVERRIDES,
@@ -134,3 +134,33 @@ def test_alternating_calls_do_not_leak(worker, batch):
     grown = psutil.Process().memory_info().rss - rss
     print(f"resident memory after 100 more calls: {grown / 2**20:+.1f} MiB")
     assert grown < 32 << 20
+
+
+@pytest.mark.parametrize("unit, after_each_call", [
+    # warm-up of 1 then linear decay to 0 at 4: lr = lr_max x (4 - n) / 3 after n schedule steps
+    ("call", [1.0, 2 / 3, 1 / 3, 0.0]),  # one schedule step per update_critic call (verl's unit)
+    ("step", [2 / 3, 0.0, 0.0, 0.0]),    # two optimizer steps per call: the schedule ends after 2 of 4 calls
+])
+def test_lr_schedule_unit(unit, after_each_call):
+    config = load_config([*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2",
+                          "model.num_hidden_layers=2", "data.response_length=[2,10]", "optim.lr=1e-3",
+                          "optim.min_lr=0", "optim.lr_decay_style=linear", "optim.total_training_steps=4",
+                          "optim.lr_warmup_steps=1", f"optim.schedule_unit={unit}"])
+    worker = CriticWorker(config)
+    worker.init_model()
+    try:
+        batch = SyntheticRollouts(config).batch(0)
+        batch["values"] = worker.compute_values(batch)
+        lrs = []
+        for _ in range(4):
+            metrics = worker.update_critic(batch)
+            assert len(metrics["critic/lr"]) == 2 and metrics["critic/skipped_steps"] == [0.0, 0.0]
+            lrs.append(worker.critic.optimizer.param_groups[0]["lr"])
+        assert lrs == pytest.approx([1e-3 * f for f in after_each_call], abs=1e-12)
+    finally:
+        worker.close()
+
+
+def test_warm_up_longer_than_the_schedule_names_its_unit():
+    with pytest.raises(ConfigError, match="3 update_critic calls"):
+        load_config(OVERRIDES + ["optim.total_training_steps=3", "optim.lr_warmup_steps=3", "optim.schedule_unit=call"])

@@ -1,4 +1,4 @@
-"""The clipped value loss, with normalisation over the whole mini-batch.
+"""The clipped value loss, with normalisation over the whole mini-batch, and the metrics of a step.
 
 verl divides each micro-batch's loss by that micro-batch's own token (or sequence) count and Megatron then
 averages micro-batches, so the loss and its gradient change with micro-batching and the data-parallel
@@ -19,18 +19,22 @@ from torch import Tensor
 STAT_KEYS = ("loss", "tokens", "clipped", "vpred", "ret", "ret_sq", "err", "err_sq")
 
 
-def token_weights(response_mask: Tensor, mode: str, horizon: int | None = None) -> Tensor:
+def token_weights(response_mask: Tensor, mode: str, horizon: float | None = None) -> Tensor:
     """Aggregation weight of each response token over a whole mini-batch [B, R] (0 on masked tokens).
 
     ``sum(weights * loss_mat)`` equals verl's ``agg_loss(loss_mat, response_mask, mode)`` on the full
-    mini-batch. seq-mean-token-sum-norm divides each sequence's token sum by ``horizon`` (default: the
-    response width R) and averages over sequences.
+    mini-batch: token-mean divides the token sum by the mini-batch's tokens, token-sum is the plain sum of
+    the token losses, seq-mean-token-sum / seq-mean-token-mean average each sequence's token sum / mean over
+    the sequences with response tokens, and seq-mean-token-sum-norm divides each sequence's token sum by
+    ``horizon`` (verl's loss_scale_factor; default: the response width R) and averages over sequences.
     """
     mask = response_mask.to(torch.float64)
     tokens_per_seq = mask.sum(-1, keepdim=True)
     valid_seqs = (tokens_per_seq > 0).sum().clamp(min=1)
     if mode == "token-mean":
         weights = mask / mask.sum().clamp(min=1)
+    elif mode == "token-sum":
+        weights = mask
     elif mode == "seq-mean-token-sum":
         weights = mask / valid_seqs
     elif mode == "seq-mean-token-mean":
@@ -95,3 +99,32 @@ def metrics_from_sums(sums: Tensor) -> dict[str, float]:
         "critic/vf_explained_var": 1.0 - err_var / ret_var if ret_var > 1e-12 else float("nan"),
         "critic/response_tokens": s["tokens"],
     }
+
+
+def step_metrics(sums: Tensor, *, grad_norm: float, lr: float, skipped: bool, empty: bool, tokens: int,
+                 seconds: float, data_seconds: float, timers: dict[str, float],
+                 moe_aux_loss: float | None = None) -> dict[str, float]:
+    """The metrics of one optimizer step (verl's names), taken or not.
+
+    ``sums``: the step's STAT_KEYS sums over the whole mini-batch; ``skipped``: the step was not applied for
+    a non-finite loss or gradient; ``empty``: the mini-batch had no response token, so no step was taken
+    (its explained variance is reported as 0, its time as 0: nothing ran); ``tokens``: the mini-batch's real
+    tokens; ``timers``: the timing_s/* seconds of Megatron's timers.
+    """
+    metrics = metrics_from_sums(sums)
+    if empty:
+        metrics["critic/vf_explained_var"] = 0.0
+    metrics.update({
+        "critic/grad_norm": float(grad_norm),
+        "critic/lr": float(lr),
+        "critic/skipped_steps": float(skipped),
+        "critic/empty_steps": float(empty),
+        "perf/real_tokens": float(tokens),
+        "perf/tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "timing_s/step": float(seconds),
+        "timing_s/data": float(data_seconds),
+    })
+    metrics.update(timers)
+    if moe_aux_loss is not None:
+        metrics["critic/moe_aux_loss"] = moe_aux_loss
+    return metrics

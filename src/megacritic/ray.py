@@ -34,8 +34,9 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("megacritic.ray needs Ray: pip install 'megacritic[ray]'") from e
 
-from megacritic.config import ConfigError, CriticConfig, load_config, validate, validate_layout
+from megacritic.config import ConfigError, CriticConfig, load_config, validate
 from megacritic.data.rollouts import mini_batch_indices, rollouts_from_batch, to_tensordict
+from megacritic.parallel import ParallelLayout
 
 __all__ = ["CriticFuture", "CriticGroup", "CriticGroupError"]
 
@@ -215,7 +216,7 @@ class CriticGroup:
                                        num_gpus_per_actor, num_cpus_per_actor)
         self.world_size = len(bundles)
         validate(self.config)
-        validate_layout(self.config, self.world_size)
+        ParallelLayout.from_config(self.config.megatron, self.world_size).check_batch_sizes(self.config)
         try:
             if placement_group is None:
                 bundles = self._reserve(num_gpus_per_node, nnodes, num_gpus_per_actor, num_cpus_per_actor,

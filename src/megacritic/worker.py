@@ -1,16 +1,14 @@
 """CriticWorker: builds the critic (distributed setup, model, optimizer, LR schedule) and serves its calls.
 
-Works under ``torchrun`` (one process per GPU, or per CPU rank with gloo) and in a plain Python process,
-where it sets up a world of one.
+Works under ``torchrun`` (one process per GPU, or per CPU rank with gloo), in a plain Python process, where it
+sets up a world of one, and in a process that another role already set up (its torch.distributed world, or a
+Megatron parallel state of the same degrees: :func:`megacritic.parallel.init_megatron`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
-import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -19,65 +17,20 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.timers import Timers
 
 from megacritic import checkpoint, compat
 from megacritic.compat.kernels import use_fused_adamw
-from megacritic.config import ConfigError, CriticConfig, is_moe, to_dict, validate, validate_layout
-from megacritic.critic import Layout, MegatronPPOCritic, StepTimers
+from megacritic.config import ConfigError, CriticConfig, is_moe, to_dict, validate
+from megacritic.critic import MegatronPPOCritic
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
 from megacritic.hf.checkpoint import weight_source
-from megacritic.model.weights import ExpertRanks, load_full_weights
+from megacritic.model.weights import load_full_weights
 from megacritic.offload import PinnedOffload
 from megacritic.optim import torch_optimizers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
-    """torchrun's store, under a prefix of this restart attempt.
-
-    With TORCHELASTIC_USE_AGENT_STORE=True the store at MASTER_ADDR:MASTER_PORT belongs to torchrun's agent
-    (the c10d rendezvous' shared TCPStore, or the static rendezvous' one) and outlives the workers: after a
-    ``--max-restarts`` restart it still holds every key the dead workers wrote. Process groups name their
-    keys deterministically (the same group names in every attempt), so the new workers would read the old
-    ones' addresses (gloo: connectFullMesh to a port nobody listens on) or pass barriers on old counts.
-    A prefix per attempt gives each one fresh keys. TORCHELASTIC_RESTART_COUNT is the same for all workers
-    of one agent (one node); across nodes the agents count separately, so a multi-node elastic job should
-    run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store each round; no prefix then)."""
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    store.set_timeout(timeout)
-    return dist.PrefixStore(f"megacritic/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def init_distributed(timeout_s: int = 600) -> bool:
-    """Join the torchrun world, or create a world of one. Returns True if this call created a world of one
-    (which :meth:`CriticWorker.close` then tears down; a torchrun world stays up for the process)."""
-    if dist.is_initialized():
-        return False
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-        else:
-            dist.init_process_group(backend, timeout=timeout)
-        return False
-    else:
-        if cuda:
-            torch.cuda.set_device(0)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    return True
+from megacritic.packing.micro_batches import MicroBatchPolicy
+from megacritic.parallel import ParallelLayout, Ranks, init_megatron, world_size
+from megacritic.schedule import Schedule, StepTimers
 
 
 def optimizer_steps(config: CriticConfig) -> int:
@@ -112,45 +65,33 @@ class CriticWorker:
     def __init__(self, config: CriticConfig):
         validate(config)
         self.config = config
-        self.layout: Layout | None = None
+        self.layout: ParallelLayout | None = None
+        self.ranks: Ranks | None = None
         self.critic: MegatronPPOCritic | None = None
         self._owns_process_group = False
+        self._owns_parallel_state = False  # False: a colocated model's parallel state, reused (init_megatron)
         self._on_host: set[str] = set()  # offload parts now in host memory
         self._host = {"params": PinnedOffload(), "optimizer": PinnedOffload()}
 
     def init_model(self) -> None:
         cfg, mg = self.config, self.config.megatron
         # 1. Distributed world and Megatron's parallel state (checked before anything is built).
+        layout = ParallelLayout.from_config(mg, world_size())
+        layout.check_batch_sizes(cfg)
         on_cpu = not torch.cuda.is_available()
         fused = cfg.model.use_fused_kernels and not on_cpu
         compat.apply(on_cpu=on_cpu, fused=fused)  # megacritic's departures from upstream megatron-core, all of them
-        world = int(os.environ.get("WORLD_SIZE", 1)) if not dist.is_initialized() else dist.get_world_size()
-        dp = validate_layout(cfg, world)
-        self._check_schedule()
-        self._owns_process_group = init_distributed(mg.nccl_timeout)
-        vpp = mg.virtual_pipeline_model_parallel_size if (mg.virtual_pipeline_model_parallel_size or 1) > 1 else None
-        mpu.initialize_model_parallel(mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size,
-                                      virtual_pipeline_model_parallel_size=vpp,
-                                      expert_model_parallel_size=mg.expert_model_parallel_size,
-                                      expert_tensor_parallel_size=mg.expert_tensor_parallel_size,
-                                      context_parallel_size=mg.context_parallel_size,
-                                      distributed_timeout_minutes=max(1, math.ceil(mg.nccl_timeout / 60)))
-        model_parallel_cuda_manual_seed(mg.seed)
+        initialised = init_megatron(layout, mg.seed, mg.nccl_timeout)
+        self._owns_process_group = initialised.owns_process_group
+        self._owns_parallel_state = initialised.owns_parallel_state
+        ranks = initialised.ranks
+        self.layout, self.ranks = layout, ranks
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             cfg.model.dtype, torch.float32 if on_cpu else torch.bfloat16)
-        tp = mg.tensor_model_parallel_size
-        self.layout = layout = Layout(
-            world_size=world, rank=dist.get_rank(), tp=tp, pp=mg.pipeline_model_parallel_size, vpp=vpp or 1,
-            dp=dp, dp_rank=mpu.get_data_parallel_rank(), sequence_parallel=mg.sequence_parallel and tp > 1,
-            device=torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device()),
-            dtype=dtype, cp=mg.context_parallel_size, cp_rank=mpu.get_context_parallel_rank())
 
         # 2. Model chunks with our spec, weights from model.path's checkpoint or the seed (identical for every
         #    layout; each rank reads only its shard).
-        tconfig = transformer_config(cfg.model, tp=tp, pp=layout.pp, vpp=vpp, cp=layout.cp,
-                                     sequence_parallel=layout.sequence_parallel, dtype=dtype, on_cpu=on_cpu,
-                                     variable_seq_lengths=layout.variable_seq_lengths,
-                                     ep=mg.expert_model_parallel_size, etp=mg.expert_tensor_parallel_size)
+        tconfig = transformer_config(cfg.model, layout, dtype=dtype, on_cpu=on_cpu)
         # Megatron's own timers (schedule, gradient reduction, optimizer) feed the timing_s/* metrics.
         timers = Timers(log_level=mg.timing_level, log_option="max") if mg.timing_level else None
         tconfig.timers = timers
@@ -160,11 +101,8 @@ class CriticWorker:
             # Megatron-LM moves every model to the GPU once built, and so do we (dense modules are already there).
             for chunk in chunks:
                 chunk.cuda(torch.cuda.current_device())
-        experts = ExpertRanks(mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size(),
-                              mpu.get_expert_tensor_parallel_rank(), mpu.get_expert_tensor_parallel_world_size())
-        load_full_weights(chunks, weight_source(cfg.model, mg.seed), cfg.model,
-                          mpu.get_tensor_model_parallel_rank(), tp, padded_vocab_size(cfg.model.vocab_size, tp),
-                          experts)
+        load_full_weights(chunks, weight_source(cfg.model, mg.seed), cfg.model, ranks.tp_rank, layout.tp,
+                          padded_vocab_size(cfg.model.vocab_size, layout.tp), ranks.experts)
         if cfg.model.freeze_moe_router:
             # Before DDP and the optimizer are built, so the routers get neither gradient buffers nor state.
             for chunk in chunks:
@@ -195,22 +133,18 @@ class CriticWorker:
             lr_decay_steps=total, lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay,
             end_wd=o.weight_decay, wd_incr_steps=total, wd_incr_style="constant")
 
-        # 6. The critic itself.
-        self.critic = MegatronPPOCritic(cfg, layout, model, optimizer, scheduler,
-                                        StepTimers(timers, mg.timing_level))
+        # 6. The critic itself, and the schedule it runs its micro-batches through.
+        schedule = Schedule(model, MicroBatchPolicy.from_config(cfg, layout), layout, ranks, cfg.model,
+                            cfg.cliprange_value, StepTimers(timers, mg.timing_level))
+        self.critic = MegatronPPOCritic(cfg, layout, ranks, model, schedule, optimizer, scheduler)
         self.offload()  # with megatron.*_offload, the critic waits in host memory for its first call
 
     def _schedule_steps(self) -> tuple[int, int]:
+        """Length and warm-up of the LR schedule, in optim.schedule_unit (optimizer steps or update calls)."""
         o = self.config.optim
         total = optimizer_steps(self.config)
         warmup = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total)
         return total, warmup
-
-    def _check_schedule(self) -> None:
-        total, warmup = self._schedule_steps()
-        if warmup >= total:
-            raise ConfigError(f"optim.lr_warmup_steps: warm-up of {warmup} steps must be shorter than the "
-                              f"{total} optimizer steps of the schedule (optim.total_training_steps / trainer.steps)")
 
     @property
     def operation(self) -> str:
@@ -252,7 +186,7 @@ class CriticWorker:
         critic, mg = self._require_model(), self.config.megatron
         flags = {"params": mg.param_offload, "grads": mg.grad_offload, "optimizer": mg.optimizer_offload}
         todo = [part for part in OFFLOAD_PARTS if flags[part] and part not in self._on_host]
-        if self.layout.device.type != "cuda" or not todo:
+        if self.ranks.device.type != "cuda" or not todo:
             return
         params = [p for chunk in critic.model for p in chunk.parameters()]
         # The optimizer first, while the parameters are still on the device: with float32 parameters the
@@ -292,19 +226,16 @@ class CriticWorker:
         self.onload()
         state = {"trainer": trainer_state, "update_calls": critic.update_calls,
                  "scheduler": critic.scheduler.state_dict(), "config": to_dict(self.config)}
-        critic.operation = f"save_checkpoint (step {step} to {root})"
-        folder = checkpoint.save_checkpoint(root, step, critic.model, critic.optimizer, state)
-        critic.operation = "idle"
-        return folder
+        with critic._doing(f"save_checkpoint (step {step} to {root})"):
+            return checkpoint.save_checkpoint(root, step, critic.model, critic.optimizer, state)
 
     def load_checkpoint(self, folder: str) -> dict:
         """Collective: restore a checkpoint saved under any TP / PP / DP layout; returns its trainer_state."""
         critic = self._require_model()
         self._check_expert_layout(folder)
         self.onload()
-        critic.operation = f"load_checkpoint ({folder})"
-        state = checkpoint.load_checkpoint(folder, critic.model, critic.optimizer)
-        critic.operation = "idle"
+        with critic._doing(f"load_checkpoint ({folder})"):
+            state = checkpoint.load_checkpoint(folder, critic.model, critic.optimizer)
         critic.scheduler.load_state_dict(state["scheduler"])
         critic.update_calls = state["update_calls"]
         return state["trainer"]
@@ -321,9 +252,11 @@ class CriticWorker:
                               "state apart only when it is > 1)")
 
     def close(self) -> None:
-        """Tear down Megatron's parallel state (and the process group if this worker created it)."""
+        """Tear down Megatron's parallel state (unless it was a colocated model's, reused) and the process
+        group if this worker created it."""
         if self.critic is not None:
-            mpu.destroy_model_parallel()
+            if self._owns_parallel_state:
+                mpu.destroy_model_parallel()
             self.critic = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()

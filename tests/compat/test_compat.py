@@ -187,12 +187,13 @@ _IMPORT = textwrap.dedent(
         if name not in entry_points:
             importlib.import_module(name)
     same_filters = warnings.filters == filters
-    from megacritic.config import ModelConfig
+    from megacritic.config import MegatronConfig, tiny_model
     from megacritic.model.value_model import transformer_config
+    from megacritic.parallel import ParallelLayout
+    layout = ParallelLayout.from_config(MegatronConfig(pipeline_model_parallel_size=2), world_size=2)
     for on_cpu in (True, False):
-        transformer_config(ModelConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
-                           tp=1, pp=1, vpp=None, sequence_parallel=False, dtype=torch.float32, on_cpu=on_cpu,
-                           variable_seq_lengths=True)
+        transformer_config(tiny_model(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16), layout,
+                           dtype=torch.float32, on_cpu=on_cpu)
     for name in entry_points:
         importlib.import_module(name)
     report(changed=changed(before, snapshot()), same_filters=same_filters)

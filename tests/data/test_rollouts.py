@@ -4,7 +4,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from megacritic.data.rollouts import BatchError, Rollouts, dp_shard, mini_batch_indices, rollouts_from_batch
+from megacritic.data.rollouts import BatchError, Rollouts, dp_shards, mini_batch_indices, rollouts_from_batch
+from megacritic.packing.partition import reverse_index
 
 VOCAB = 50
 
@@ -363,18 +364,53 @@ def test_mini_batch_indices_not_a_multiple():
         mini_batch_indices(10, 4, 1, shuffle=True, seed=0)
 
 
-# ---------------------------------------------------------------- dp_shard
+# ---------------------------------------------------------------- dp_shards
 
 @pytest.mark.parametrize("n,dp", [(12, 1), (12, 3), (12, 4), (8, 8)])
-def test_dp_shard_contiguous_equal(n, dp):
-    rows = torch.randperm(n, generator=torch.Generator().manual_seed(n + dp))
-    shards = [dp_shard(rows, rank, dp) for rank in range(dp)]
-    assert all(len(s) == n // dp for s in shards)
-    assert torch.equal(torch.cat(shards), rows)
-    for rank, s in enumerate(shards):
-        assert torch.equal(s, rows[rank * (n // dp):(rank + 1) * (n // dp)])
+def test_dp_shards_are_a_partition_of_equal_counts(n, dp):
+    lens = torch.randint(1, 100, (n,), generator=torch.Generator().manual_seed(n + dp))
+    shards = dp_shards(lens, dp)
+    assert len(shards) == dp and all(len(s) == n // dp for s in shards)
+    assert sorted(torch.cat(shards).tolist()) == list(range(n))
+    assert all(torch.equal(a, b) for a, b in zip(shards, dp_shards(lens.clone(), dp)))  # the same on every rank
 
 
-def test_dp_shard_not_divisible():
+@pytest.mark.parametrize("max_prompt, max_response", [(32, 128), (1024, 8192)])
+def test_dp_shards_balance_the_bench_rollouts_over_4_ranks(max_prompt, max_response):
+    """The bench's long-tailed rollouts (32, as its default run): the token spread between DP=4 ranks stays
+    within one rollout's length, where contiguous shares are far apart; values computed shard by shard come
+    back in input order."""
+    from megacritic.bench import rollouts
+
+    batch = rollouts(32, 64, max_prompt, max_response)
+    lens = batch["attention_mask"].sum(1)
+    shards = dp_shards(lens, 4)
+    tokens = [int(lens[s].sum()) for s in shards]
+    assert max(tokens) - min(tokens) <= int(lens.max())
+    contiguous = [int(c.sum()) for c in lens.chunk(4)]
+    assert max(tokens) - min(tokens) < max(contiguous) - min(contiguous)
+    # each rank computes a value per row of its shard; the gather concatenates the shards in rank order
+    gathered = torch.cat([lens[s] * 10 for s in shards])
+    assert torch.equal(gathered[reverse_index([s.tolist() for s in shards])], lens * 10)
+
+
+@pytest.mark.parametrize("n, dp, unit", [(16, 2, 2), (24, 4, 3), (32, 4, 4), (8, 2, 4)])
+def test_dp_shards_deal_whole_groups_in_order(n, dp, unit):
+    """Fixed-size micro-batches: each rank gets whole groups of `unit` consecutive rows (the micro-batches one
+    process would run), equal counts of them, balanced within one group's tokens."""
+    lens = torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(n * dp + unit))
+    shards = dp_shards(lens, dp, unit)
+    assert sorted(torch.cat(shards).tolist()) == list(range(n)) and all(len(s) == n // dp for s in shards)
+    groups = lens.reshape(-1, unit).sum(1)
+    for s in shards:
+        for chunk in s.split(unit):  # the rank's own fixed-size micro-batches
+            assert chunk[0] % unit == 0 and torch.equal(chunk, chunk[0] + torch.arange(unit))
+    tokens = [int(lens[s].sum()) for s in shards]
+    assert max(tokens) - min(tokens) <= int(groups.max())
+
+
+def test_dp_shards_not_divisible():
     with pytest.raises(BatchError, match="data-parallel"):
-        dp_shard(torch.arange(10), 0, 4)
+        dp_shards(torch.arange(10), 4)
+    with pytest.raises(BatchError, match="groups of 4"):
+        dp_shards(torch.arange(12), 2, unit=4)

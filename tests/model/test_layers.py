@@ -12,14 +12,16 @@ import pytest
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 
-from megacritic.config import tiny_model
+from megacritic.config import MegatronConfig, tiny_model
 from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead, apply_rotary
 from megacritic.model.value_model import transformer_config
+from megacritic.parallel import ParallelLayout
 
 
 def _config(dtype=torch.float32, *, tp=1, sequence_parallel=False, **model):
-    return transformer_config(tiny_model(**model), tp=tp, pp=1, vpp=None, sequence_parallel=sequence_parallel,
-                              dtype=dtype, on_cpu=True, variable_seq_lengths=False)
+    layout = ParallelLayout.from_config(
+        MegatronConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel), world_size=tp)
+    return transformer_config(tiny_model(**model), layout, dtype=dtype, on_cpu=True)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ import torch
 import transformers as T
 
 from megacritic import CriticWorker, load_config
-from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, moe_layer_pattern, tiny_model, validate_layout
+from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, moe_layer_pattern, tiny_model
+from megacritic.parallel import ParallelLayout
 from megacritic.data.sources import SyntheticRollouts
 from megacritic.hf.config import export_family
 from megacritic.model.value_model import padded_vocab_size
@@ -149,12 +150,12 @@ def test_moe_settings_are_checked():
 def test_expert_layout_needs_the_world_size():
     config = load_config([*MOE, "megatron.expert_model_parallel_size=4"])
     with pytest.raises(ConfigError, match="expert"):
-        validate_layout(config, 2)
-    assert validate_layout(config, 4) == 4
+        ParallelLayout.from_config(config.megatron, 2)
+    assert ParallelLayout.from_config(config.megatron, 4).dp == 4
     # EP taken from the TP ranks: TP=2, EP=2, experts whole (ETP=1) on 2 processes
     config = load_config([*MOE, "megatron.expert_model_parallel_size=2", "megatron.tensor_model_parallel_size=2",
                           "megatron.expert_tensor_parallel_size=1"])
-    assert validate_layout(config, 2) == 1
+    assert ParallelLayout.from_config(config.megatron, 2).dp == 1
 
 
 def test_checkpoint_resumes_only_on_the_same_side_of_ep_1(tmp_path):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megacritic.packing.partition import (
+    karmarkar_karp_equal,
     fixed_partitions,
     karmarkar_karp,
     reverse_index,
@@ -203,3 +204,38 @@ def test_reverse_index_errors():
         reverse_index([[0, 1], [1]])
     with pytest.raises(ValueError):
         reverse_index([[0, 3], [1]])
+
+
+# ---------------------------------------------------------------- karmarkar_karp_equal
+
+
+@pytest.mark.parametrize("n, k", [(8, 2), (12, 3), (32, 4), (64, 8), (5, 5), (7, 1)])
+def test_kk_equal_counts_balance_and_permutation(n, k):
+    rng = random.Random(n * 31 + k)
+    for _ in range(20):
+        weights = [int(rng.lognormvariate(4, 1.2)) for _ in range(n)]
+        parts = karmarkar_karp_equal(weights, k)
+        assert len(parts) == k and all(len(p) == n // k for p in parts)
+        assert sorted(i for p in parts for i in p) == list(range(n))
+        assert all(p == sorted(p) for p in parts) and [p[0] for p in parts] == sorted(p[0] for p in parts)
+        sums = [sum(weights[i] for i in p) for p in parts]
+        assert max(sums) - min(sums) <= max(weights) - min(weights)  # the bound the docstring proves
+
+
+def test_kk_equal_beats_a_greedy_split_on_a_known_case():
+    # sorted groups (1, 2) (3, 4) (5, 6) (7, 8): two bins of 4 items summing to 18 each
+    parts = karmarkar_karp_equal([1, 2, 3, 4, 5, 6, 7, 8], 2)
+    assert [sum(i + 1 for i in p) for p in parts] == [18, 18]
+    assert all(len(p) == 4 for p in parts)
+
+
+def test_kk_equal_deterministic_and_errors():
+    weights = [5, 5, 5, 5, 1, 1]
+    assert karmarkar_karp_equal(weights, 2) == karmarkar_karp_equal(list(weights), 2)
+    assert karmarkar_karp_equal([], 3) == [[], [], []]
+    with pytest.raises(ValueError, match="equal count"):
+        karmarkar_karp_equal([1, 2, 3], 2)
+    with pytest.raises(ValueError, match="positive"):
+        karmarkar_karp_equal([1, 2], 0)
+    with pytest.raises(ValueError, match="non-negative"):
+        karmarkar_karp_equal([1, -2], 2)

@@ -7,7 +7,7 @@ from megacritic.config.schema import (  # noqa: F401  (the public names of the p
     LR_DECAY_STYLES, MODEL_TYPES, MOE_MODEL_TYPES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS,
     REQUIRED_ARCHITECTURE, SCHEDULE_UNITS, VALUE_HEAD_INITS, AlgorithmConfig, ConfigError, CriticConfig, DataConfig,
     MegatronConfig, ModelConfig, OptimConfig, TrainerConfig, expert_ffn_size, head_dim, hf_family, is_moe,
-    moe_layer_pattern, shared_expert_size, to_dict, validate, validate_layout, with_defaults)
+    moe_layer_pattern, shared_expert_size, to_dict, validate, with_defaults)
 
 
 def __getattr__(name: str):
@@ -21,4 +21,4 @@ def __getattr__(name: str):
 
 __all__ = ["AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "MegatronConfig", "ModelConfig",
            "OptimConfig", "TINY_MODEL", "TINY_MODEL_OVERRIDES", "TrainerConfig", "load_config", "tiny_model",
-           "to_dict", "validate", "validate_layout"]
+           "to_dict", "validate"]

@@ -3,8 +3,9 @@
 Key names follow verl's critic config (``ppo_mini_batch_size``, ``megatron.tensor_model_parallel_size``,
 ``optim.lr`` ...) so an existing verl critic section can be pasted in. The library reads the top level and
 the ``model``, ``megatron`` and ``optim`` sections; ``data``, ``algorithm`` and ``trainer`` are settings of the
-``megacritic train`` job, checked by :mod:`megacritic.train_loop`. :func:`validate` (static) and
-:func:`validate_layout` (needs the world size) are pure: no I/O, nothing mutated. Each failure is a
+``megacritic train`` job, checked by :mod:`megacritic.train_loop`. :func:`validate` is pure: no I/O,
+nothing mutated; the checks that need the world size are made by :class:`~megacritic.parallel.ParallelLayout`,
+which also holds what is derived from the degrees. Each failure is a
 :class:`ConfigError` naming the dotted key, the value received and the fix. Loading (defaults < base < YAML <
 overrides, then the Hugging Face config of ``model.path``) lives in :mod:`megacritic.config.load`.
 """
@@ -500,7 +501,8 @@ def _check_schedule(o: "OptimConfig") -> None:
     warmup = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total)
     if total > 0 and warmup >= total:
         fail("optim.lr_warmup_steps", warmup,
-             f"the warm-up must be shorter than the schedule (optim.total_training_steps={total})")
+             f"the warm-up must be shorter than the schedule (optim.total_training_steps={total} "
+             f"{'update_critic calls' if o.schedule_unit == 'call' else 'optimizer steps'})")
 
 
 def validate(config: CriticConfig) -> None:
@@ -616,39 +618,3 @@ def validate(config: CriticConfig) -> None:
     if o.clip_grad < 0:
         fail("optim.clip_grad", o.clip_grad, "must be non-negative (0 disables clipping)")
     _check_schedule(o)
-
-
-def validate_layout(config: CriticConfig, world_size: int) -> int:
-    """Checks that need the world size; returns the data-parallel size."""
-    mg = config.megatron
-    model_parallel = mg.tensor_model_parallel_size * mg.pipeline_model_parallel_size * mg.context_parallel_size
-    if world_size % model_parallel:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by megatron.tensor_model_parallel_size x "
-            f"megatron.pipeline_model_parallel_size x megatron.context_parallel_size ({mg.tensor_model_parallel_size}"
-            f" x {mg.pipeline_model_parallel_size} x {mg.context_parallel_size} = {model_parallel}); change them or "
-            f"the number of processes")
-    dp = world_size // model_parallel
-    expert_parallel = (mg.expert_tensor_parallel_size or mg.tensor_model_parallel_size) * \
-        mg.expert_model_parallel_size * mg.pipeline_model_parallel_size
-    if world_size % expert_parallel:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by expert tensor x expert model x pipeline parallel sizes "
-            f"({expert_parallel}); change megatron.expert_model_parallel_size / expert_tensor_parallel_size or "
-            "the number of processes")
-    if config.ppo_mini_batch_size % dp:
-        fail("ppo_mini_batch_size", config.ppo_mini_batch_size,
-             f"must be a multiple of the data-parallel size ({dp})")
-    vpp = mg.virtual_pipeline_model_parallel_size
-    if not config.use_dynamic_bsz:
-        per_rank = config.ppo_mini_batch_size // dp
-        micro = config.ppo_micro_batch_size_per_gpu
-        if per_rank % micro:
-            fail("ppo_micro_batch_size_per_gpu", micro,
-                 f"must divide the mini-batch per data-parallel rank "
-                 f"(ppo_mini_batch_size {config.ppo_mini_batch_size} / {dp} ranks = {per_rank})")
-        if vpp and vpp > 1 and (per_rank // micro) % mg.pipeline_model_parallel_size:
-            fail("ppo_micro_batch_size_per_gpu", micro,
-                 f"the interleaved pipeline needs a multiple of pipeline_model_parallel_size "
-                 f"({mg.pipeline_model_parallel_size}) micro-batches per mini-batch; got {per_rank // micro}")
-    return dp

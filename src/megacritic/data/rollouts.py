@@ -6,7 +6,8 @@ A batch is a ``tensordict.TensorDict`` or any object with ``.batch`` (TensorDict
 ``values`` and ``returns`` [B, R]; optionally ``response_mask`` [B, R] (the loss mask; defaults to the
 response part of ``attention_mask``). Prompts are left-padded, responses right-padded.
 
-Every rank passes the same global batch; each data-parallel rank takes its own contiguous shard.
+Every rank passes the same global batch; each data-parallel rank takes its own shard, balanced by tokens
+(:func:`dp_shards`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from tensordict import TensorDict
 from torch import Tensor
+
+from megacritic.packing.partition import karmarkar_karp_equal
 
 
 class BatchError(ValueError):
@@ -177,8 +180,22 @@ def seeded_permutation(n: int, seed: int, *, call_index: int = 0, epoch: int = 0
     return torch.randperm(n, generator=gen)
 
 
-def dp_shard(rows: Tensor, dp_rank: int, dp_size: int) -> Tensor:
-    """This data-parallel rank's contiguous share of ``rows``."""
-    if len(rows) % dp_size:
-        raise BatchError(f"{len(rows)} rollouts cannot be split evenly over {dp_size} data-parallel ranks")
-    return rows.chunk(dp_size)[dp_rank]
+def dp_shards(seq_lens: Tensor, dp_size: int, unit: int = 1) -> list[Tensor]:
+    """Rows of each data-parallel rank: equal counts, balanced by real tokens (Karmarkar-Karp with equal
+    cardinality), so that no rank waits for another in the gradient reduction. Deterministic: the same on
+    every rank. Rows computed shard by shard go back to input order with ``reverse_index(shards)``.
+
+    ``unit``: rows are dealt in whole groups of ``unit`` consecutive rows, kept together and in order. With
+    fixed-size micro-batches the groups are the micro-batches one process would form, so every layout runs
+    the same micro-batches: the value loss does not depend on them (its weights are computed over the whole
+    mini-batch), but the MoE routers' load-balancing loss is computed per micro-batch.
+    """
+    n = len(seq_lens)
+    if n % (dp_size * unit):
+        per = f" in groups of {unit} (the micro-batch size)" if unit > 1 else ""
+        raise BatchError(f"{n} rollouts cannot be split evenly over {dp_size} data-parallel ranks{per}")
+    if dp_size == 1:
+        return [torch.arange(n)]
+    group_tokens = seq_lens.reshape(-1, unit).sum(1)
+    return [(torch.tensor(p, dtype=torch.long)[:, None] * unit + torch.arange(unit)).flatten()
+            for p in karmarkar_karp_equal(group_tokens.tolist(), dp_size)]

@@ -32,6 +32,7 @@ from megacritic.compat.kernels import weight_grad_accumulation_available
 from megacritic.config import (ModelConfig, expert_ffn_size, head_dim, is_moe, moe_layer_pattern,
                                shared_expert_size)
 from megacritic.model.layers import GroupedExperts, RMSNorm, SDPAttention, ValueHead
+from megacritic.parallel import ParallelLayout
 
 def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
     """TransformerConfig fields of the MoE layers, set so that they compute what Hugging Face's Qwen2-MoE /
@@ -72,12 +73,12 @@ def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
     )
 
 
-def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None, sequence_parallel: bool,
-                       dtype: torch.dtype, on_cpu: bool, variable_seq_lengths: bool, cp: int = 1, ep: int = 1,
-                       etp: int | None = None) -> TransformerConfig:
+def transformer_config(model: ModelConfig, layout: ParallelLayout, *, dtype: torch.dtype,
+                       on_cpu: bool) -> TransformerConfig:
     """Megatron's TransformerConfig for a Llama / Qwen2-shaped decoder (with MoE layers when
-    model.num_experts is set). Builds a config and changes nothing else (upstream patches are
-    :func:`megacritic.compat.apply`'s)."""
+    model.num_experts is set) under the parallel ``layout``. Builds a config and changes nothing else
+    (upstream patches are :func:`megacritic.compat.apply`'s)."""
+    tp, pp, cp, ep, etp = layout.tp, layout.pp, layout.cp, layout.ep, layout.etp
     fused = model.use_fused_kernels and not on_cpu
     return TransformerConfig(
         num_layers=model.num_hidden_layers,
@@ -99,11 +100,11 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         # Our attention implements it (megacritic.model.layers); Megatron only needs the size for its
         # pipeline shapes and gradient groups.
         context_parallel_size=cp,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=layout.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -115,11 +116,11 @@ def transformer_config(model: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         # Loss normalisation is global (megacritic.losses): Megatron must neither divide the loss by the
         # number of micro-batches nor average gradients over data-parallel ranks.
         calculate_per_token_loss=True,
-        variable_seq_lengths=variable_seq_lengths,
+        variable_seq_lengths=layout.variable_seq_lengths,
         # With two stages a rank's previous and next peer are the same rank; batched p2p (one
         # batch_isend_irecv) then lets the two directions' messages match the wrong receives. Plain
         # p2p ops are issued in a fixed even/odd order that pairs them correctly.
-        batch_p2p_comm=not (pp == 2 and (vpp or 1) > 1),
+        batch_p2p_comm=not layout.fixed_micro_batch_shape,
         # megatron-core 0.16 rejects variable_seq_lengths unless this is set, even for dense models. For MoE
         # models it is the dispatcher that scales with expert parallelism; it runs on gloo too (all-to-all
         # with uneven splits).

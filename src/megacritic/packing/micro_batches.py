@@ -36,7 +36,7 @@ from torch import Tensor
 
 from megacritic.data.rollouts import BatchError, Rollouts
 from megacritic.packing.context_parallel import context_parallel_split
-from megacritic.packing.pack import ContextParallelPack, Pack, pack_multiple, rollout_spans, round_up
+from megacritic.packing.pack import ContextParallelPack, Pack, pack_length, pack_multiple, rollout_spans, round_up
 from megacritic.packing.partition import fixed_partitions, token_budget_partitions
 
 
@@ -169,3 +169,68 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
         ids, padding = ids.to(device), padding.to(device)
     return MicroBatch(input_ids=ids, packed=packed_params, position_ids=position_ids, rows=len(rows),
                       padding_mask=padding, tokens=int(lens.sum()), **fields)
+
+
+@dataclass(frozen=True)
+class MicroBatchSizing:
+    """How the rollouts of one rank are cut into micro-batches: ``size`` rollouts each, or a token budget of
+    ``max_tokens`` per micro-batch (exactly one of them is set)."""
+
+    size: int | None
+    max_tokens: int | None
+
+
+@dataclass(frozen=True)
+class MicroBatchPolicy:
+    """The micro-batching of a run, derived once from the config and the parallel layout: the sizing of
+    training and of forward-only calls, the layout of a micro-batch, and the shape constraints of the
+    pipeline (module doc)."""
+
+    train: MicroBatchSizing
+    forward: MicroBatchSizing
+    packed: bool         # model.use_remove_padding
+    seq_multiple: int    # sequence parallelism: a multiple of TP per sequence (or per rank's pack)
+    multiple_of: int     # micro-batches per call: a multiple of this (the interleaved pipeline's group)
+    cp: int              # context-parallel ranks sharing each micro-batch
+    fixed_shape: bool    # every micro-batch of a call padded to one shape (the PP=2 + VPP pipeline)
+
+    @classmethod
+    def from_config(cls, config, layout) -> "MicroBatchPolicy":
+        """``config``: a CriticConfig; ``layout``: its :class:`~megacritic.parallel.ParallelLayout`."""
+        if config.use_dynamic_bsz:
+            # As in verl: the budget is per GPU, and a micro-batch is shared by the CP ranks.
+            train = MicroBatchSizing(None, config.ppo_max_token_len_per_gpu * layout.cp)
+            forward = MicroBatchSizing(
+                None, (config.forward_max_token_len_per_gpu or config.ppo_max_token_len_per_gpu) * layout.cp)
+        else:
+            train = MicroBatchSizing(config.ppo_micro_batch_size_per_gpu, None)
+            forward = MicroBatchSizing(config.forward_micro_batch_size_per_gpu or config.ppo_micro_batch_size_per_gpu,
+                                       None)
+        return cls(train=train, forward=forward, packed=config.model.use_remove_padding,
+                   seq_multiple=layout.seq_multiple, multiple_of=layout.micro_batch_multiple, cp=layout.cp,
+                   fixed_shape=layout.fixed_micro_batch_shape)
+
+    def plan(self, seq_lens: Tensor, forward_only: bool, max_over_ranks: Callable[[int], int]) -> list[list[int]]:
+        """This rank's micro-batches (rollout indices), the same count on every data-parallel rank."""
+        sizing = self.forward if forward_only else self.train
+        if sizing.size is not None and len(seq_lens) % sizing.size:
+            # compute_values' batches are the caller's; a training mini-batch's split is checked by the config
+            raise BatchError(f"{len(seq_lens)} rollouts per data-parallel rank are not a multiple of the "
+                             f"micro-batch size {sizing.size}")
+        return plan_micro_batches(seq_lens.tolist(), micro_batch_size=sizing.size, max_tokens=sizing.max_tokens,
+                                  multiple_of=self.multiple_of, max_over_ranks=max_over_ranks)
+
+    def pad_to(self, seq_lens: Tensor, parts: list[list[int]]) -> tuple[int, int] | None:
+        """The one shape of every micro-batch of a call, where the pipeline needs it (None: free shapes)."""
+        if not self.fixed_shape:
+            return None
+        if self.packed:
+            return 1, max(pack_length(seq_lens[p], self.seq_multiple, self.cp) for p in parts)
+        return max(len(p) for p in parts), round_up(int(seq_lens.max()), self.seq_multiple)
+
+    def build(self, rollouts: Rollouts, parts: list[list[int]], *, weights: Tensor | None, device,
+              cp_rank: int) -> list[MicroBatch]:
+        """The micro-batches of ``parts`` of ``rollouts``, on ``device``."""
+        pad_to = self.pad_to(rollouts.seq_lens, parts)
+        return [build_micro_batch(rollouts, p, packed=self.packed, seq_multiple=self.seq_multiple, pad_to=pad_to,
+                                  weights=weights, device=device, cp_size=self.cp, cp_rank=cp_rank) for p in parts]

@@ -7,7 +7,8 @@ light micro-batch early sits idle waiting for the heavy one.  The helpers here
 split a list of per-sequence token counts into parts whose sums are as equal as
 practical (``karmarkar_karp``), pick the fewest parts that respect a per
 micro-batch token budget (``token_budget_partitions``), split into fixed-size
-chunks (``fixed_partitions``), and build the index that puts rows computed in
+chunks (``fixed_partitions``), split into parts of equal count with balanced sums
+(``karmarkar_karp_equal``: the data-parallel shards), and build the index that puts rows computed in
 part order back into input order (``reverse_index``).
 """
 
@@ -21,6 +22,7 @@ import torch
 
 __all__ = [
     "karmarkar_karp",
+    "karmarkar_karp_equal",
     "token_budget_partitions",
     "fixed_partitions",
     "reverse_index",
@@ -96,6 +98,45 @@ def karmarkar_karp(weights: list[int], k: int) -> list[list[int]]:
     parts = [sorted(items) for _, items in bins]
     if any(not p for p in parts):  # cannot happen for k <= n (see _bin_key)
         raise AssertionError("karmarkar_karp produced an empty part")
+    parts.sort(key=lambda p: p[0])
+    return parts
+
+
+def karmarkar_karp_equal(weights: list[int], k: int) -> list[list[int]]:
+    """Split item indices ``0..n-1`` into ``k`` parts of ``n / k`` items each, with balanced sums.
+
+    The largest-differencing method with a cardinality constraint: the items, sorted by weight, are taken
+    ``k`` at a time, and each such group starts one partial solution with one item in every bin (so every
+    merge keeps the bins' counts equal). The two partial solutions of largest spread are merged as in
+    :func:`karmarkar_karp` (the largest bin of one with the smallest of the other). A group of ``k``
+    neighbours in sorted order has a spread of at most ``max(weights) - min(weights)``, and a merge never
+    spreads more than the larger of its inputs, so neither does the result.
+
+    Deterministic (ties by weight then index; merges by insertion order): the same parts on every rank.
+    Each part lists its indices in ascending order; parts are ordered by their smallest index.
+    """
+    weights = _check_weights(weights)
+    n = len(weights)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"number of parts k must be a positive integer, got {k!r}")
+    if n % k:
+        raise ValueError(f"cannot split {n} items into {k} parts of equal count (not divisible)")
+    if n == 0:
+        return [[] for _ in range(k)]
+    order = sorted(range(n), key=lambda i: (weights[i], i))
+    counter = itertools.count()
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    for start in range(0, n, k):
+        group = order[start:start + k]  # ascending weights: the bins are sorted by sum
+        bins = [(weights[i], [i]) for i in group]
+        heapq.heappush(heap, (-(bins[-1][0] - bins[0][0]), next(counter), bins))
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = sorted(((a[j][0] + b[k - 1 - j][0], a[j][1] + b[k - 1 - j][1]) for j in range(k)),
+                        key=lambda b: b[0])  # stable, so deterministic
+        heapq.heappush(heap, (-(merged[-1][0] - merged[0][0]), next(counter), merged))
+    parts = [sorted(items) for _, items in heap[0][2]]
     parts.sort(key=lambda p: p[0])
     return parts
 

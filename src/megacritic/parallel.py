@@ -1,0 +1,240 @@
+"""The parallel layout of a run: every degree and every setting derived from them, worked out once.
+
+:class:`ParallelLayout` is pure (config + world size, checked); :func:`init_megatron` creates (or joins) the
+process group and Megatron's parallel state for it and returns this process' :class:`Ranks`, read from
+Megatron's parallel state once. Everything downstream (the critic, the schedule, the micro-batch policy,
+the TransformerConfig) reads these two objects, not the config's raw degrees nor ``mpu``'s rank getters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megacritic.config import ConfigError, CriticConfig, MegatronConfig
+from megacritic.model.weights import ExpertRanks
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Degrees of parallelism of a run (world size = tp x pp x cp x dp) and what follows from them."""
+
+    world_size: int
+    tp: int
+    pp: int
+    vpp: int  # model chunks per pipeline rank (1 without interleaving)
+    cp: int
+    dp: int
+    ep: int
+    etp: int | None  # tensor parallelism inside each expert; None: Megatron's default (= tp)
+    sequence_parallel: bool  # in effect: asked for, and tp > 1
+
+    @classmethod
+    def from_config(cls, mg: MegatronConfig, world_size: int) -> "ParallelLayout":
+        """The layout of ``mg`` on ``world_size`` processes; ConfigError when the degrees do not fit it."""
+        tp, pp, cp = mg.tensor_model_parallel_size, mg.pipeline_model_parallel_size, mg.context_parallel_size
+        model_parallel = tp * pp * cp
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by megatron.tensor_model_parallel_size x "
+                f"megatron.pipeline_model_parallel_size x megatron.context_parallel_size ({tp} x {pp} x {cp} = "
+                f"{model_parallel}); change them or the number of processes")
+        expert_parallel = (mg.expert_tensor_parallel_size or tp) * mg.expert_model_parallel_size * pp
+        if world_size % expert_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by expert tensor x expert model x pipeline parallel "
+                f"sizes ({expert_parallel}); change megatron.expert_model_parallel_size / "
+                "expert_tensor_parallel_size or the number of processes")
+        return cls(world_size=world_size, tp=tp, pp=pp, vpp=max(mg.virtual_pipeline_model_parallel_size or 1, 1),
+                   cp=cp, dp=world_size // model_parallel, ep=mg.expert_model_parallel_size,
+                   etp=mg.expert_tensor_parallel_size, sequence_parallel=mg.sequence_parallel and tp > 1)
+
+    @property
+    def fixed_micro_batch_shape(self) -> bool:
+        """With two stages the interleaved schedule's previous and next peer are the same rank, and
+        megatron-core 0.16 mismatches the shape messages of the two directions (and batched p2p ops pair the
+        wrong receives): every micro-batch of a call must then have the same shape, and p2p ops go unbatched."""
+        return self.pp == 2 and self.vpp > 1
+
+    @property
+    def variable_seq_lengths(self) -> bool:
+        """Micro-batches of a call may differ in shape (Megatron's pipeline then sends shapes first)."""
+        return self.pp > 1 and not self.fixed_micro_batch_shape
+
+    @property
+    def micro_batch_multiple(self) -> int:
+        """The interleaved schedule runs micro-batches in groups of pp."""
+        return self.pp if self.vpp > 1 else 1
+
+    @property
+    def seq_multiple(self) -> int:
+        """Sequence parallelism splits every sequence (or this rank's pack) over the TP ranks."""
+        return self.tp if self.sequence_parallel else 1
+
+    def check_batch_sizes(self, config: CriticConfig) -> None:
+        """The batch sizes of ``config`` on this layout (ConfigError naming the setting)."""
+        mini = config.ppo_mini_batch_size
+        if mini % self.dp:
+            raise ConfigError(f"ppo_mini_batch_size={mini}: must be a multiple of the data-parallel size ({self.dp})")
+        if config.use_dynamic_bsz:
+            return
+        per_rank, micro = mini // self.dp, config.ppo_micro_batch_size_per_gpu
+        if per_rank % micro:
+            raise ConfigError(f"ppo_micro_batch_size_per_gpu={micro}: must divide the mini-batch per data-parallel "
+                              f"rank (ppo_mini_batch_size {mini} / {self.dp} ranks = {per_rank})")
+        if self.vpp > 1 and (per_rank // micro) % self.pp:
+            raise ConfigError(f"ppo_micro_batch_size_per_gpu={micro}: the interleaved pipeline needs a multiple of "
+                              f"pipeline_model_parallel_size ({self.pp}) micro-batches per mini-batch; got "
+                              f"{per_rank // micro}")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process' ranks, read from Megatron's parallel state once, right after it is initialised."""
+
+    rank: int
+    dp_rank: int
+    cp_rank: int
+    tp_rank: int
+    pp_rank: int
+    is_last_stage: bool
+    experts: ExpertRanks
+    device: torch.device
+
+    @classmethod
+    def read(cls, device: torch.device) -> "Ranks":
+        from megatron.core import parallel_state as mpu
+        return cls(rank=dist.get_rank(), dp_rank=mpu.get_data_parallel_rank(), cp_rank=mpu.get_context_parallel_rank(),
+                   tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+                   is_last_stage=mpu.is_pipeline_last_stage(ignore_virtual=True),
+                   experts=ExpertRanks(mpu.get_expert_model_parallel_rank(),
+                                       mpu.get_expert_model_parallel_world_size(),
+                                       mpu.get_expert_tensor_parallel_rank(),
+                                       mpu.get_expert_tensor_parallel_world_size()),
+                   device=device)
+
+
+@dataclass(frozen=True)
+class Initialised:
+    """What :func:`init_megatron` set up, and so what the caller tears down."""
+
+    ranks: Ranks
+    owns_process_group: bool  # this call created a world of one
+    owns_parallel_state: bool  # False: Megatron's parallel state of another model in this process, reused
+
+
+def world_size() -> int:
+    """The world this process is in (or will join): the process group's, else torchrun's, else 1."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, under a prefix of this restart attempt.
+
+    With TORCHELASTIC_USE_AGENT_STORE=True the store at MASTER_ADDR:MASTER_PORT belongs to torchrun's agent
+    (the c10d rendezvous' shared TCPStore, or the static rendezvous' one) and outlives the workers: after a
+    ``--max-restarts`` restart it still holds every key the dead workers wrote. Process groups name their
+    keys deterministically (the same group names in every attempt), so the new workers would read the old
+    ones' addresses (gloo: connectFullMesh to a port nobody listens on) or pass barriers on old counts.
+    A prefix per attempt gives each one fresh keys. TORCHELASTIC_RESTART_COUNT is the same for all workers
+    of one agent (one node); across nodes the agents count separately, so a multi-node elastic job should
+    run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a fresh store each round; no prefix then)."""
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"megacritic/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def init_distributed(timeout_s: int = 600) -> bool:
+    """Join the process group already there (e.g. a colocated FSDP actor's), the torchrun world, or create a
+    world of one. Returns True if this call created a world of one (its owner tears it down; a torchrun world
+    stays up for the process)."""
+    if dist.is_initialized():
+        return False
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_attempt_store(timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
+        return False
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=timeout)
+    return True
+
+
+def _existing_degrees() -> dict[str, int]:
+    from megatron.core import parallel_state as mpu
+    return {"tensor_model_parallel_size": mpu.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": mpu.get_pipeline_model_parallel_world_size(),
+            "virtual_pipeline_model_parallel_size": mpu.get_virtual_pipeline_model_parallel_world_size() or 1,
+            "context_parallel_size": mpu.get_context_parallel_world_size(),
+            "expert_model_parallel_size": mpu.get_expert_model_parallel_world_size(),
+            "expert_tensor_parallel_size": mpu.get_expert_tensor_parallel_world_size()}
+
+
+def _check_reusable(layout: ParallelLayout) -> None:
+    """Megatron's parallel state is process-global: a colocated model's can serve the critic only when every
+    degree is the same."""
+    wanted = {"tensor_model_parallel_size": layout.tp, "pipeline_model_parallel_size": layout.pp,
+              "virtual_pipeline_model_parallel_size": layout.vpp, "context_parallel_size": layout.cp,
+              "expert_model_parallel_size": layout.ep, "expert_tensor_parallel_size": layout.etp or layout.tp}
+    have = _existing_degrees()
+    differ = [f"megatron.{key}={wanted[key]} (initialised: {have[key]})" for key in wanted if wanted[key] != have[key]]
+    if differ:
+        raise ConfigError(
+            "Megatron's parallel state is already initialised in this process (another model colocated with the "
+            f"critic) with other degrees: {', '.join(differ)}. Megatron keeps one parallel state per process: use "
+            "the same degrees, or give the critic its own resource pool (its own processes)")
+
+
+def init_megatron(layout: ParallelLayout, seed: int, timeout_s: int) -> Initialised:
+    """The process group and Megatron's parallel state for ``layout``; this process' ranks.
+
+    Colocation: with torch.distributed already initialised (another role of the same process), its process
+    group is used. With Megatron's parallel state already initialised (a colocated Megatron model) it is
+    reused when its degrees match ``layout`` (ConfigError otherwise, before anything changes) and then never
+    destroyed by the critic; its model-parallel RNG states are left as they are.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import (
+        get_cuda_rng_tracker,
+        model_parallel_cuda_manual_seed,
+    )
+
+    if mpu.model_parallel_is_initialized():
+        # (a parallel state implies a process group, whose size the layout was planned for: world_size())
+        _check_reusable(layout)
+        owns_group, owns_state = False, False
+        if not get_cuda_rng_tracker().get_states():
+            model_parallel_cuda_manual_seed(seed)
+    else:
+        owns_group, owns_state = init_distributed(timeout_s), True
+        mpu.initialize_model_parallel(layout.tp, layout.pp,
+                                      virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+                                      expert_model_parallel_size=layout.ep,
+                                      expert_tensor_parallel_size=layout.etp,
+                                      context_parallel_size=layout.cp,
+                                      distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
+        model_parallel_cuda_manual_seed(seed)
+    on_cpu = not torch.cuda.is_available()
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    return Initialised(Ranks.read(device), owns_group, owns_state)
