@@ -58,13 +58,15 @@ SYSTEMS = ("megacritic-packed", "megacritic-offload", "megacritic-padded", "hf-s
 # What a colocated RL job runs: the packed default with its whole state in host memory between calls.
 OFFLOAD = [f"megatron.{part}_offload=true" for part in ("param", "grad", "optimizer")]
 PEAK_FLOPS = {"nvidia-h200": 989e12, "cpu": float("nan")}  # dense bf16, spec sheet
-# Switches a shape needs to fit one H200 at a 16k token budget, and the systems it runs. 7B: 18 bytes per
-# parameter of resident training state (137 GB) do not fit 139 GiB, so the optimizer runs on the host
-# (6 bytes per parameter stay: bf16 weights, float32 gradients) and the MLPs, whose activations are ~2/3
-# of a layer's, are recomputed in backward. HF's bf16 AdamW needs 6 bytes per parameter plus its padded
-# activations: not run at 7B (megacritic only).
-SHAPE_SWITCHES = {"qwen2.5-7b": ["megatron.optimizer_cpu_offload=true", "megatron.recompute_granularity=selective",
-                                 "megatron.recompute_modules=[mlp]"]}
+# Switches a shape needs to fit one H200 at a 16k token budget, and the systems it runs. 7B (7.07 G
+# parameters): 18 bytes per parameter of resident training state (127 GB) leave no room for activations in
+# 139 GiB, so half of the parameters' optimizer (float32 main weights and Adam moments) runs on the host:
+# 6 + 12 / 2 bytes per parameter stay on the GPU (79 GiB); the host holds ~18-24 bytes per offloaded
+# parameter (64-85 GB of the machine's 128 GiB; the pinned buffers are rounded up). The MLPs, whose
+# activations are ~2/3 of a layer's, are recomputed in backward (~26 GiB of activations left at 16k
+# tokens). HF's bf16 AdamW with padded micro-batches is not run at 7B (megacritic only).
+SHAPE_SWITCHES = {"qwen2.5-7b": ["megatron.optimizer_cpu_offload=true", "megatron.optimizer_offload_fraction=0.5",
+                                 "megatron.recompute_granularity=selective", "megatron.recompute_modules=[mlp]"]}
 SHAPE_SYSTEMS = {"qwen2.5-7b": ("megacritic-packed",)}
 # Untimed warm-up pairs and timed calls where a call takes tens of seconds (the host steps the optimizer).
 SHAPE_CALLS = {"qwen2.5-7b": (1, 2)}
@@ -289,6 +291,9 @@ def _probe_host() -> dict:
             out["temperature_c"] = torch.cuda.temperature()
         except Exception as e:  # noqa: BLE001 - NVML missing: reported, not fatal
             out["nvml"] = str(e)
+        stats = torch.cuda.memory_stats()  # cumulative over the process: cudaMalloc retries, i.e. allocator churn
+        out["alloc_retries"] = stats.get("num_alloc_retries", 0)
+        out["device_mallocs"] = stats.get("segment.all.allocated", 0)
         x = torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
         start = time.perf_counter()

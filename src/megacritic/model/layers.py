@@ -58,12 +58,18 @@ def _fa4_gpu_problem() -> str | None:
     return None
 
 
-def resolve_attention_impl(requested: str, dtype: torch.dtype, on_gpu: bool) -> str:
+# Head dims whose FA4 kernels (forward, backward, varlen, GQA, bottom-right causal) were checked against a
+# float32 reference on an H200 (tests/test_gpu.py); auto takes FA4 only for these.
+FA4_CHECKED_HEAD_DIMS = (64, 128)
+
+
+def resolve_attention_impl(requested: str, dtype: torch.dtype, on_gpu: bool, head_dim: int = 128) -> str:
     """The attention kernel of packed micro-batches, from ``model.attention_impl``: "fa4", "fa2" or "sdpa".
 
-    fa4 (or auto where it can run) is FlashAttention-4; fa2 FlashAttention-2 through torch's ``varlen_attn``;
-    both need bf16 / fp16 on a GPU, so float32 and CPU runs use SDPA, except that fa4 asked for by name
-    is then an error instead of a silent fallback."""
+    fa4 is FlashAttention-4, which auto takes where it imports, the GPU is 9.x / 10.x and the head dim is
+    one checked (FA4_CHECKED_HEAD_DIMS); fa2 FlashAttention-2 through torch's ``varlen_attn``. Both need
+    bf16 / fp16 on a GPU, so float32 and CPU runs use SDPA, except that fa4 asked for by name is then an
+    error instead of a silent fallback."""
     half = dtype in (torch.bfloat16, torch.float16)
     if requested == "fa4":
         problem = (_fa4_varlen()[1] or (None if on_gpu else "the critic runs on the CPU") or _fa4_gpu_problem()
@@ -76,7 +82,7 @@ def resolve_attention_impl(requested: str, dtype: torch.dtype, on_gpu: bool) -> 
     if not (on_gpu and half):
         return "sdpa"
     if requested == "auto":
-        if _fa4_varlen()[0] is not None and _fa4_gpu_problem() is None:
+        if head_dim in FA4_CHECKED_HEAD_DIMS and _fa4_varlen()[0] is not None and _fa4_gpu_problem() is None:
             return "fa4"
         return "fa2" if _varlen_attn is not None else "sdpa"
     if requested == "fa2" and _varlen_attn is None:
@@ -120,7 +126,7 @@ class SDPAttention(MegatronModule):
         self.cp_group = getattr(pg_collection, "cp", None)
         self.fused = fused and not config.use_cpu_initialization
         on_gpu = not config.use_cpu_initialization and torch.cuda.is_available()
-        self.impl = resolve_attention_impl(attention_impl, config.params_dtype, on_gpu)
+        self.impl = resolve_attention_impl(attention_impl, config.params_dtype, on_gpu, config.kv_channels)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> Tensor:
