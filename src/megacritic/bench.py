@@ -15,10 +15,12 @@ Systems, on the same rollouts (prompts 64-1024 tokens, responses log-normal 16-8
 For ``update_critic`` (forward + backward + optimizer step, all mini-batches) and ``compute_values``
 (forward): real (unpadded) tokens/s, MFU on real tokens against the device's dense bf16 peak, peak memory.
 
-Each system runs in ``--processes`` fresh processes, one after another (each one as a training job starts:
-its own CUDA context, allocator and compilation), and a row reports the median of the processes' median
-call times, with the min / max over every timed call and each process' median, so that one slow or fast
-process cannot make the figure (bench/NOTES.md: the spread between processes). Rows name the kernels in
+Each system runs in fresh processes, one after another (each one as a training job starts: its own CUDA
+context, allocator and compilation): ``--processes`` of them for megacritic-packed, whose rows are the
+targets' figures, ``--baseline-processes`` for the others. A row reports the median of the processes'
+median call times, with the min / max over every timed call, each process' median and per-process
+probes (SM clock, host launch cost), so that one slow or fast process cannot make the figure
+(bench/NOTES.md: the spread between processes). Rows name the kernels in
 use (attention, norm, SwiGLU) and the results file the git commit: it holds one run of one commit; a run
 of some shapes (``--shapes``) at the commit of the file replaces those shapes' rows and keeps the others,
 at any other commit it starts the file afresh. Without CUDA it runs the ``tiny`` shape (so the script
@@ -62,14 +64,19 @@ PEAK_FLOPS = {"nvidia-h200": 989e12, "cpu": float("nan")}  # dense bf16, spec sh
 # parameters): 18 bytes per parameter of resident training state (127 GB) leave no room for activations in
 # 139 GiB, so half of the parameters' optimizer (float32 main weights and Adam moments) runs on the host:
 # 6 + 12 / 2 bytes per parameter stay on the GPU (79 GiB); the host holds ~18-24 bytes per offloaded
-# parameter (64-85 GB of the machine's 128 GiB; the pinned buffers are rounded up). The MLPs, whose
-# activations are ~2/3 of a layer's, are recomputed in backward (~26 GiB of activations left at 16k
-# tokens). HF's bf16 AdamW with padded micro-batches is not run at 7B (megacritic only).
+# parameter (64-85 GB of the machine's 128 GiB; pinned buffers are rounded up), so the fraction cannot
+# be 1. Whole layers are recomputed in backward (only each layer's input is kept, ~3 GiB at 16k tokens):
+# with the MLPs alone recomputed (~26 GiB of activations predicted) the device's memory reached 138.5 of
+# 139 GiB in the warm-up (bench/NOTES.md). HF's bf16 AdamW with padded micro-batches is not run at 7B.
 SHAPE_SWITCHES = {"qwen2.5-7b": ["megatron.optimizer_cpu_offload=true", "megatron.optimizer_offload_fraction=0.5",
-                                 "megatron.recompute_granularity=selective", "megatron.recompute_modules=[mlp]"]}
+                                 "megatron.recompute_granularity=full", "megatron.recompute_method=uniform",
+                                 "megatron.recompute_num_layers=1"]}
 SHAPE_SYSTEMS = {"qwen2.5-7b": ("megacritic-packed",)}
 # Untimed warm-up pairs and timed calls where a call takes tens of seconds (the host steps the optimizer).
 SHAPE_CALLS = {"qwen2.5-7b": (1, 2)}
+# The systems whose rows are the targets' figures run in --processes processes; the others in
+# --baseline-processes (the full bench must fit the device's time).
+HEADLINE = ("megacritic-packed",)
 
 
 def machine_kind() -> str:
@@ -330,7 +337,7 @@ def measure(shape_name: str, system: str, args) -> dict:
         return {"error": "out of memory"}
     result["probe"] = _probe_host()
     result["token_budget"] = budget
-    result["switches"] = SHAPE_SWITCHES.get(shape_name, []) + (args.set if system != "hf-sdpa-padded" else [])
+    result["switches"] = [] if system == "hf-sdpa-padded" else SHAPE_SWITCHES.get(shape_name, []) + args.set
     return result
 
 
@@ -414,8 +421,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="megacritic systems: untimed compute_values + update_critic pairs before timing "
                              "(default 3; 7B: 1)")
     parser.add_argument("--processes", type=int, default=3 if cuda else 1,
-                        help="fresh processes per system (the row reports the median of their medians); "
-                             "1 measures in this process")
+                        help="fresh processes for megacritic-packed (the row reports the median of their "
+                             "medians); 1 measures in this process")
+    parser.add_argument("--baseline-processes", type=int, default=1,
+                        help="fresh processes for the other systems (default 1)")
     parser.add_argument("--out", default=None, help="results file (default bench/results/<machine-kind>.json)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for the megacritic systems (repeatable), e.g. "
@@ -428,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     args.calls_default = args.warmup is None and args.repeats is None
     args.warmup = (3 if cuda else 1) if args.warmup is None else args.warmup
     args.repeats = (3 if cuda else 1) if args.repeats is None else args.repeats
-    if args.processes < 1:
-        parser.error("--processes must be at least 1")
+    if args.processes < 1 or args.baseline_processes < 1:
+        parser.error("--processes and --baseline-processes must be at least 1")
     for name in args.shapes.split(","):
         if name not in SHAPES:
             parser.error(f"--shapes: unknown shape {name!r}; choose from {', '.join(SHAPES)}")
@@ -444,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f)
         return 0
 
+    # FlashAttention-4 compiles its kernels at the first call of a process (~5 s each); cached on disk, as a
+    # training job on a machine would keep them, later processes load them.
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     kind = machine_kind()
     peak = PEAK_FLOPS.get(kind, float("nan"))
     child_argv = [a for a in (argv if argv is not None else sys.argv[2:])]
@@ -462,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             if system not in SHAPE_SYSTEMS.get(shape_name, SYSTEMS):
                 print(f"{shape_name}: {system} not run at this shape (SHAPE_SYSTEMS)", file=sys.stderr)
                 continue
-            processes = 1 if args.processes == 1 else args.processes
-            if processes == 1:
+            processes = args.processes if system in HEADLINE else args.baseline_processes
+            if processes == 1 and args.processes == 1:
                 results = [measure(shape_name, system, args)]
             else:
                 results = [_child(shape_name, system, child_argv) for _ in range(processes)]
