@@ -174,11 +174,13 @@ def test_recompute_on_the_gpu_matches_no_recompute(recompute):
     assert _rel(a1, a0) < 1e-2
 
 
-def test_cpu_optimizer_offload_trains_like_the_gpu_optimizer():
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_cpu_optimizer_offload_trains_like_the_gpu_optimizer(fraction):
     """megatron.optimizer_cpu_offload: Megatron's hybrid device optimizer steps Adam on the host; the first
     step's loss and grad norm are the same computation, later ones and the values after two updates agree
     to bf16 rounding of the weights (the host and the GPU Adam round differently). Between calls the GPU
-    holds no float32 main parameters or Adam moments: less device memory than the GPU optimizer."""
+    holds no float32 main parameters or Adam moments of the offloaded share (``fraction``; the rest is
+    stepped on the GPU): less device memory than the GPU optimizer."""
     import gc
 
     held = {}
@@ -192,7 +194,8 @@ def test_cpu_optimizer_offload_trains_like_the_gpu_optimizer():
 
         worker = CriticWorker(load_config(_small_critic([
             "model.dtype=bfloat16", "model.hidden_size=512", "model.intermediate_size=1024",
-            f"megatron.optimizer_cpu_offload={str(offload).lower()}"])))
+            f"megatron.optimizer_cpu_offload={str(offload).lower()}",
+            f"megatron.optimizer_offload_fraction={fraction}"])))
         worker.init_model()
         batch = SyntheticRollouts(worker.config).batch(0)
         batch["values"] = values = worker.compute_values(batch)
