@@ -39,6 +39,8 @@ def main():
     config = load_config(megacritic_overrides(shape, batch, True, args.token_budget, micro_batch=1) + extra)
     worker = CriticWorker(config)
     worker.init_model()
+    from megacritic.model.layers import attention_impl_of
+    print(f"attention kernel: {attention_impl_of(worker.critic.model)}")
     call = (lambda: worker.update_critic(batch)) if args.phase == "update" else (lambda: worker.compute_values(batch))
     worker.compute_values(batch)  # one warm-up pair; the timed calls show how soon steady state comes
     worker.update_critic(batch)

@@ -26,13 +26,46 @@ def test_forward_flops_counts_matmuls_and_causal_attention():
 @pytest.mark.slow
 def test_bench_writes_rows(tmp_path):
     out = tmp_path / "cpu.json"
-    assert bench.main(["--shapes", "tiny", "--rollouts", "8", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())
+    assert bench.main(["--shapes", "tiny", "--rollouts", "8", "--processes", "1", "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["machine"] == "cpu" and "commit" in run and "dirty" in run
+    rows = run["rows"]
     assert {(r["system"], r["phase"]) for r in rows} == {
         (s, p) for s in bench.SYSTEMS for p in ("update_critic", "compute_values")}
     for row in rows:
-        assert {"system", "model", "phase", "real_tokens_per_s", "mfu", "peak_mem_gib"} <= row.keys()
+        assert {"system", "model", "phase", "real_tokens_per_s", "mfu", "peak_mem_gib", "commit"} <= row.keys()
         assert row["real_tokens_per_s"] > 0
+        assert row["seconds_min"] <= row["seconds"] <= row["seconds_max"]
+        assert {"attention", "norm", "swiglu"} <= row["kernels"].keys()
+    packed = next(r for r in rows if r["system"] == "megacritic-packed")
+    assert packed["kernels"]["attention"] == "sdpa"  # CPU: the per-rollout SDPA loop
+
+
+@pytest.mark.slow
+def test_bench_reports_the_median_of_process_medians(tmp_path):
+    out = tmp_path / "cpu.json"
+    assert bench.main(["--shapes", "tiny", "--systems", "megacritic-packed", "--rollouts", "8", "--repeats", "3",
+                       "--processes", "2", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    for row in rows:
+        assert row["processes"] == 2 and len(row["process_medians"]) == 2 and row["calls_per_process"] == 3
+        assert row["seconds"] == pytest.approx(sum(row["process_medians"]) / 2)  # median of two
+        assert row["seconds_min"] <= min(row["process_medians"]) and max(row["process_medians"]) <= row["seconds_max"]
+
+
+def test_results_file_holds_one_commit(tmp_path):
+    path = str(tmp_path / "r.json")
+    run = {"machine": "m", "commit": "aaa", "dirty": False}
+    bench._write(run, [{"model": "a", "system": "s", "phase": "p"}], path)
+    bench._write(run, [{"model": "b", "system": "s", "phase": "p"}], path)  # a run in parts: both kept
+    assert [r["model"] for r in json.loads(open(path).read())["rows"]] == ["a", "b"]
+    bench._write(run, [{"model": "b", "system": "s", "phase": "q"}], path)  # the same shape again: replaced
+    assert [(r["model"], r["phase"]) for r in json.loads(open(path).read())["rows"]] == [("a", "p"), ("b", "q")]
+    bench._write({**run, "commit": "bbb"}, [{"model": "c", "system": "s", "phase": "p"}], path)
+    data = json.loads(open(path).read())
+    assert data["commit"] == "bbb" and [r["model"] for r in data["rows"]] == ["c"]  # another commit: afresh
+    bench._write({**run, "commit": "bbb", "dirty": True}, [{"model": "d", "system": "s", "phase": "p"}], path)
+    assert [r["model"] for r in json.loads(open(path).read())["rows"]] == ["d"]  # uncommitted: never merged
 
 
 @pytest.mark.slow

@@ -33,6 +33,39 @@ from megacritic.parallel import ParallelLayout, Ranks, init_megatron, world_size
 from megacritic.schedule import Schedule, StepTimers
 
 
+def cpu_optimizer_options(config: CriticConfig, on_cpu: bool) -> dict:
+    """OptimizerConfig fields of megatron.optimizer_cpu_offload: Megatron's HybridDeviceOptimizer keeps the
+    float32 main parameters and Adam moments of optimizer_offload_fraction of the parameters in pinned host
+    memory and steps them there (torch's CPU AdamW). Megatron runs it through its precision-aware path, where
+    the distributed optimizer keeps no float32 copy on the device: the GPU holds only the bf16 parameters
+    and the float32 gradient buffer (6 bytes per parameter instead of 18). Raises before anything is built."""
+    mg = config.megatron
+    if not mg.optimizer_cpu_offload:
+        return {}
+    if on_cpu:
+        raise ConfigError("megatron.optimizer_cpu_offload=true needs a CUDA GPU (the hybrid device optimizer "
+                          "moves gradients and parameters between the GPU and the host); set it to false")
+    if not mg.use_distributed_optimizer:
+        raise ConfigError("megatron.optimizer_cpu_offload=true needs megatron.use_distributed_optimizer=true "
+                          "(Megatron's hybrid device optimizer runs inside its distributed optimizer)")
+    if mg.optimizer_offload:
+        raise ConfigError("megatron.optimizer_offload=true and megatron.optimizer_cpu_offload=true both move the "
+                          "optimizer state to the host: choose one (optimizer_cpu_offload keeps it there)")
+    return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=mg.optimizer_offload_fraction,
+                overlap_cpu_optimizer_d2h_h2d=True, store_param_remainders=False)
+
+
+def _precision_aware(optimizer_config: OptimizerConfig) -> OptimizerConfig:
+    """Turn on use_precision_aware_optimizer, which the hybrid device optimizer needs, after construction:
+    megatron-core 0.16.1's OptimizerConfig.__post_init__ reads Transformer Engine's version whenever it is
+    set and fails without TE (``None >= Version``), only to decide store_param_remainders (a TE FusedAdam
+    feature, off here). The derived flag is what __post_init__ sets with CPU offload."""
+    if optimizer_config.optimizer_cpu_offload:
+        optimizer_config.use_precision_aware_optimizer = True
+        optimizer_config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    return optimizer_config
+
+
 def optimizer_steps(config: CriticConfig) -> int:
     """Steps the LR schedule spans: optim.total_training_steps. Unset (-1) validates only for a constant
     schedule without warm-up, whose LR no length changes (Megatron's scheduler still wants a positive one)."""
@@ -80,6 +113,7 @@ class CriticWorker:
         layout.check_batch_sizes(cfg)
         on_cpu = not torch.cuda.is_available()
         fused = cfg.model.use_fused_kernels and not on_cpu
+        cpu_optimizer = cpu_optimizer_options(cfg, on_cpu=on_cpu)
         compat.apply(on_cpu=on_cpu, fused=fused)  # megacritic's departures from upstream megatron-core, all of them
         initialised = init_megatron(layout, mg.seed, mg.nccl_timeout)
         self._owns_process_group = initialised.owns_process_group
@@ -91,7 +125,7 @@ class CriticWorker:
 
         # 2. Model chunks with our spec, weights from model.path's checkpoint or the seed (identical for every
         #    layout; each rank reads only its shard).
-        tconfig = transformer_config(cfg.model, layout, dtype=dtype, on_cpu=on_cpu)
+        tconfig = transformer_config(cfg.model, layout, dtype=dtype, on_cpu=on_cpu, megatron=mg)
         # Megatron's own timers (schedule, gradient reduction, optimizer) feed the timing_s/* metrics.
         timers = Timers(log_level=mg.timing_level, log_option="max") if mg.timing_level else None
         tconfig.timers = timers
@@ -118,14 +152,14 @@ class CriticWorker:
 
         # 4. Optimizer (Adam, distributed over DP by default) and 5. LR schedule.
         o = cfg.optim
-        optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer = get_megatron_optimizer(_precision_aware(OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
             adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
             # clip_grad=0 disables clipping; an infinite threshold keeps Megatron measuring the norm.
             clip_grad=o.clip_grad if o.clip_grad > 0 else math.inf,
             bf16=dtype == torch.bfloat16, params_dtype=dtype,
-            use_distributed_optimizer=mg.use_distributed_optimizer, timers=timers), model)
-        if fused:
+            use_distributed_optimizer=mg.use_distributed_optimizer, timers=timers, **cpu_optimizer)), model)
+        if fused and not cpu_optimizer:  # the hybrid one fuses its own
             use_fused_adamw(optimizer)
         total, warmup = self._schedule_steps()
         scheduler = OptimizerParamScheduler(

@@ -329,3 +329,22 @@ def test_moe_spec_groups_the_experts_only_with_fused_kernels():
     for fused in (True, False):
         experts = moe_spec(shared_expert=False, fused=fused).submodules.experts
         assert experts.module is GroupedExperts and experts.params == {"grouped": fused}
+
+
+# --------------------------------------------------------------------------------------------------
+# The attention kernel of packed micro-batches (model.attention_impl), chosen once at build
+
+
+def test_attention_impl_is_resolved_at_build_and_reported(config, config_bf16):
+    from megacritic.config import ConfigError
+    from megacritic.model.layers import attention_impl_of, resolve_attention_impl
+
+    # On the CPU (and in float32) every choice but fa4 is the exact per-rollout SDPA loop ...
+    for impl in ("auto", "fa2", "sdpa"):
+        assert SDPAttention(config_bf16, 1, AttnMaskType.causal, "self", attention_impl=impl).impl == "sdpa"
+    assert resolve_attention_impl("fa2", torch.float32, on_gpu=True) == "sdpa"
+    # ... and fa4 asked for by name is an error naming the setting and the fix, raised at build.
+    with pytest.raises(ConfigError, match=r"model.attention_impl=fa4.*pip install megacritic\[hopper\]"):
+        SDPAttention(config, 1, AttnMaskType.causal, "self", attention_impl="fa4")
+    chunk = torch.nn.ModuleList([SDPAttention(config, 1, AttnMaskType.causal, "self")])
+    assert attention_impl_of([chunk]) == "sdpa"

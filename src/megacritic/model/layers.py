@@ -26,6 +26,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
+from megacritic.config import ConfigError
 from megacritic.packing.pack import ContextParallelPack
 
 try:  # PyTorch >= 2.9: FlashAttention-2 for packed sequences (CUDA only)
@@ -34,6 +35,67 @@ try:  # PyTorch >= 2.9: FlashAttention-2 for packed sequences (CUDA only)
     _VARLEN_KWARGS = {"enable_gqa": True} if "enable_gqa" in inspect.signature(_varlen_attn).parameters else {}
 except ImportError:  # pragma: no cover - older PyTorch
     _varlen_attn, _VARLEN_KWARGS = None, {}
+
+
+@functools.cache
+def _fa4_varlen() -> tuple[object, str | None]:
+    """FlashAttention-4's varlen function (``flash_attn.cute``), or None and why it does not import."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - any failure (missing package, CuTe DSL runtime) means "not there"
+        return None, f"{type(e).__name__}: {e}"
+    return flash_attn_varlen_func, None
+
+
+def _fa4_gpu_problem() -> str | None:
+    """Why FlashAttention-4 cannot run on this process' GPU, or None: it has kernels for compute capability
+    9.x (Hopper) and 10.x (Blackwell)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major not in (9, 10):
+        return f"{torch.cuda.get_device_name()} has compute capability {major}.{minor}, FA4 needs 9.x or 10.x"
+    return None
+
+
+# Head dims whose FA4 kernels (forward, backward, varlen, GQA, bottom-right causal) were checked against a
+# float32 reference on an H200 (tests/test_gpu.py); auto takes FA4 only for these.
+FA4_CHECKED_HEAD_DIMS = (64, 128)
+
+
+def resolve_attention_impl(requested: str, dtype: torch.dtype, on_gpu: bool, head_dim: int = 128) -> str:
+    """The attention kernel of packed micro-batches, from ``model.attention_impl``: "fa4", "fa2" or "sdpa".
+
+    fa4 is FlashAttention-4, which auto takes where it imports, the GPU is 9.x / 10.x and the head dim is
+    one checked (FA4_CHECKED_HEAD_DIMS); fa2 FlashAttention-2 through torch's ``varlen_attn``. Both need
+    bf16 / fp16 on a GPU, so float32 and CPU runs use SDPA, except that fa4 asked for by name is then an
+    error instead of a silent fallback."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    if requested == "fa4":
+        problem = (_fa4_varlen()[1] or (None if on_gpu else "the critic runs on the CPU") or _fa4_gpu_problem()
+                   or (None if half else f"parameters are {dtype}; FA4 computes in bf16 / fp16 (model.dtype)"))
+        if problem:
+            raise ConfigError(f"model.attention_impl=fa4: FlashAttention-4 cannot run here ({problem}). Install "
+                              "it with `pip install megacritic[hopper]` on a Hopper / Blackwell GPU, or set "
+                              "model.attention_impl=auto (fa4 where it runs, else fa2)")
+        return "fa4"
+    if not (on_gpu and half):
+        return "sdpa"
+    if requested == "auto":
+        if head_dim in FA4_CHECKED_HEAD_DIMS and _fa4_varlen()[0] is not None and _fa4_gpu_problem() is None:
+            return "fa4"
+        return "fa2" if _varlen_attn is not None else "sdpa"
+    if requested == "fa2" and _varlen_attn is None:
+        raise ConfigError("model.attention_impl=fa2: this PyTorch has no torch.nn.attention.varlen.varlen_attn "
+                          f"(torch {torch.__version__}; it needs >= 2.9): upgrade torch or set "
+                          "model.attention_impl=sdpa")
+    return requested
+
+
+def attention_impl_of(chunks) -> str | None:
+    """The attention kernel of packed micro-batches in these model chunks (e.g. ``critic.model``)."""
+    impls = sorted({m.impl for chunk in chunks for m in chunk.modules() if isinstance(m, SDPAttention)})
+    return ",".join(impls) or None
 
 
 def _param_device(config) -> torch.device:
@@ -46,8 +108,9 @@ class SDPAttention(MegatronModule):
 
     Padded: one ``scaled_dot_product_attention`` call; rows are left-aligned and right-padded, so a plain
     causal mask is exact for every real token (padding only follows real tokens). Packed (THD): each
-    rollout attends only to itself, through ``varlen_attn`` (FlashAttention-2 in PyTorch) for bf16/fp16 on
-    GPU, else an exact per-rollout SDPA loop.
+    rollout attends only to itself, through the kernel ``impl`` names (:func:`resolve_attention_impl`,
+    chosen once when the model is built): FlashAttention-4, FlashAttention-2 (torch's ``varlen_attn``) or an
+    exact per-rollout SDPA loop.
 
     Context parallel (a :class:`ContextParallelPack`): each rank gathers the keys and values of the whole
     pack from its context-parallel group (all-gather forward, reduce-scatter of their gradients backward)
@@ -56,11 +119,14 @@ class SDPAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None, fused: bool = False, **unused):
+                 softmax_scale=None, pg_collection=None, fused: bool = False, attention_impl: str = "auto",
+                 **unused):
         super().__init__(config=config)
         self.softmax_scale = softmax_scale
         self.cp_group = getattr(pg_collection, "cp", None)
         self.fused = fused and not config.use_cpu_initialization
+        on_gpu = not config.use_cpu_initialization and torch.cuda.is_available()
+        self.impl = resolve_attention_impl(attention_impl, config.params_dtype, on_gpu, config.kv_channels)
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> Tensor:
@@ -85,22 +151,28 @@ class SDPAttention(MegatronModule):
             kv = gather_from_sequence_parallel_region(torch.cat([k, v], dim=1), group=self.cp_group)
             return self.attend_chunks(q, kv, params)
         cu, max_len = params.cu_seqlens_q, params.max_seqlen_q
-        return _varlen_causal(q, k, v, cu, cu, max_len, max_len, self.softmax_scale)
+        return _varlen_causal(q, k, v, cu, cu, max_len, max_len, self.softmax_scale, self.impl)
 
     def attend_chunks(self, q: Tensor, kv: Tensor, params: ContextParallelPack) -> Tensor:
         """This rank's query chunks q [t, heads, d] against their key prefixes, taken from ``kv``: every
         context-parallel rank's keys and values ([k | v] on dim 1) in rank order. -> [t, heads * d]."""
         k, v = kv[params.kv_index].chunk(2, dim=1)  # index_select: its backward sums duplicated keys' grads
         return _varlen_causal(q, k, v, params.chunk_cu_q, params.chunk_cu_kv, params.max_chunk_q,
-                              params.max_chunk_kv, self.softmax_scale)
+                              params.max_chunk_kv, self.softmax_scale, self.impl)
 
 
 def _varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                   scale: float | None) -> Tensor:
+                   scale: float | None, impl: str = "sdpa") -> Tensor:
     """Causal attention of query sequence i (rows cu_q[i]:cu_q[i+1] of q) to key sequence i (cu_k), with
     the causal diagonal at the bottom right: when sequence i has fewer queries than keys, its queries are
-    the last ones of its keys' span (a chunk attending to its rollout's prefix). -> [t_q, heads * d]."""
-    if _varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    the last ones of its keys' span (a chunk attending to its rollout's prefix). ``impl``: the kernel
+    (:func:`resolve_attention_impl`). -> [t_q, heads * d]."""
+    if impl == "fa4":
+        # FA4's causal mask is bottom-right aligned when query and key lengths differ; it returns (out, lse).
+        out, _ = _fa4_varlen()[0](q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                  max_seqlen_k=max_k, softmax_scale=scale, causal=True)
+        return out.reshape(q.shape[0], -1)
+    if impl == "fa2":
         # FlashAttention-2 aligns its causal window (-1, 0) to the bottom right when lengths differ:
         # query j may see key i iff i <= j + len_k - len_q.
         out = _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **_VARLEN_KWARGS)

@@ -29,8 +29,8 @@ from megatron.core.transformer.transformer_layer import (TransformerLayer, Trans
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megacritic.compat.kernels import weight_grad_accumulation_available
-from megacritic.config import (ModelConfig, expert_ffn_size, head_dim, is_moe, moe_layer_pattern,
-                               shared_expert_size)
+from megacritic.config import (ConfigError, MegatronConfig, ModelConfig, expert_ffn_size, head_dim, is_moe,
+                               moe_layer_pattern, shared_expert_size)
 from megacritic.model.layers import GroupedExperts, RMSNorm, SDPAttention, ValueHead
 from megacritic.parallel import ParallelLayout
 
@@ -73,11 +73,35 @@ def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
     )
 
 
-def transformer_config(model: ModelConfig, layout: ParallelLayout, *, dtype: torch.dtype,
-                       on_cpu: bool) -> TransformerConfig:
+# Megatron's selective-recompute modules that work with our layer spec: our core attention is recomputed
+# through Megatron's own checkpoint of core_attn (its inputs are q / k / v, the pack travels by closure).
+# Not these: moe_act needs Megatron's grouped GEMM (Transformer Engine), which our GroupedExperts replace;
+# layernorm goes through megatron-core 0.16.1's CheckpointWithoutOutput, which calls Transformer Engine's
+# FP8 state even without FP8 (its ``fp8 is not None`` is true for the default fp8=False): NameError.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
+
+
+def recompute_options(megatron: MegatronConfig | None) -> dict:
+    """TransformerConfig fields of Megatron's activation recompute (megatron.recompute_*); {} when off."""
+    if megatron is None or megatron.recompute_granularity is None:
+        return {}
+    if megatron.recompute_granularity == "full":
+        return dict(recompute_granularity="full", recompute_method=megatron.recompute_method,
+                    recompute_num_layers=megatron.recompute_num_layers)
+    modules = list(megatron.recompute_modules)
+    unsupported = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unsupported or not modules:
+        raise ConfigError(f"megatron.recompute_modules={modules}: with recompute_granularity=selective choose "
+                          f"from {', '.join(RECOMPUTE_MODULES)} (without Transformer Engine, Megatron cannot "
+                          "recompute layernorm or moe_act alone; mlp and moe recompute the blocks they feed)")
+    return dict(recompute_granularity="selective", recompute_modules=modules)
+
+
+def transformer_config(model: ModelConfig, layout: ParallelLayout, *, dtype: torch.dtype, on_cpu: bool,
+                       megatron: MegatronConfig | None = None) -> TransformerConfig:
     """Megatron's TransformerConfig for a Llama / Qwen2-shaped decoder (with MoE layers when
-    model.num_experts is set) under the parallel ``layout``. Builds a config and changes nothing else
-    (upstream patches are :func:`megacritic.compat.apply`'s)."""
+    model.num_experts is set) under the parallel ``layout``; ``megatron``: its activation recompute settings.
+    Builds a config and changes nothing else (upstream patches are :func:`megacritic.compat.apply`'s)."""
     tp, pp, cp, ep, etp = layout.tp, layout.pp, layout.cp, layout.ep, layout.etp
     fused = model.use_fused_kernels and not on_cpu
     return TransformerConfig(
@@ -126,6 +150,7 @@ def transformer_config(model: ModelConfig, layout: ParallelLayout, *, dtype: tor
         # with uneven splits).
         moe_token_dispatcher_type="alltoall",
         **moe_options(model, ep, etp),
+        **recompute_options(megatron),
         # Megatron's SwiGLU autograd function (compiled) instead of eager chunk / silu / add / mul.
         bias_activation_fusion=fused,
         bias_dropout_fusion=False,
@@ -150,10 +175,11 @@ def moe_spec(shared_expert: bool, fused: bool = False) -> ModuleSpec:
         shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp) if shared_expert else None))
 
 
-def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused: bool = False) -> ModuleSpec:
+def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused: bool = False,
+               attention_impl: str = "auto") -> ModuleSpec:
     """A Llama / Qwen2 / Qwen3 decoder layer built from Megatron modules, with our attention and norm
     (also over each query and key head with ``qk_layernorm``); ``moe`` replaces the dense MLP; ``fused``:
-    compiled norms on GPU."""
+    compiled norms on GPU; ``attention_impl``: model.attention_impl."""
     norm = norm_spec(fused)
     qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
@@ -165,7 +191,8 @@ def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused:
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(module=SDPAttention, params={"fused": fused}),
+                    core_attention=ModuleSpec(module=SDPAttention,
+                                              params={"fused": fused, "attention_impl": attention_impl}),
                     linear_proj=RowParallelLinear,
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
@@ -193,8 +220,10 @@ class ValueModel(GPTModel):
         layers = get_num_layers_to_build(config, vp_stage=vp_stage)
         fused = config.bias_activation_fusion  # use_fused_kernels on GPU (transformer_config)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
-        dense = layer_spec(model.qk_layernorm, fused=fused)
-        moe = layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0, fused), fused=fused)
+        impl = model.attention_impl
+        dense = layer_spec(model.qk_layernorm, fused=fused, attention_impl=impl)
+        moe = layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0, fused), fused=fused,
+                         attention_impl=impl)
         pattern = moe_layer_pattern(model)[offset:offset + layers]
         spec = TransformerBlockSubmodules(layer_specs=[moe if p else dense for p in pattern],
                                           layer_norm=norm_spec(fused))
