@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from megacritic import CriticWorker, load_config
+from megacritic.config import TINY_MODEL_OVERRIDES
 from megacritic.config import ConfigError, MegatronConfig
 from megacritic.data.sources import SyntheticRollouts
 from megacritic.model.value_model import recompute_options
 
-BASE = ["data.rollouts_per_step=8", "ppo_mini_batch_size=4", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=64",
+BASE = [*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "use_dynamic_bsz=true", "ppo_max_token_len_per_gpu=64",
         "model.num_hidden_layers=3", "data.response_length=[2,20]", "shuffle=false", "model.dtype=float32"]
 
 
