@@ -253,7 +253,7 @@ def _mean(values):
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2"])
-def test_verl_single_controller_path(layout, tiny_model, reference, ray_cluster):
+def test_verl_single_controller_path(layout, tiny_model, reference, ray_cluster, tmp_path):
     config, critic = critic_section(tiny_model, tp=2 if layout == "tp2" else 1)
     ref_batch, ref_values, ref_metrics, ref_after = reference
     worker_cls = critic_worker_cls(overrides=OVERRIDES)
@@ -273,6 +273,8 @@ def test_verl_single_controller_path(layout, tiny_model, reference, ray_cluster)
         batch = batch.union(DataProto.from_dict(tensors={"values": values}))
         metrics = engine_update_critic(critic_wg, batch, config)
         after = engine_compute_values(critic_wg, batch)
+        # the trainer's save: <global_step folder>/critic, local only
+        critic_wg.save_checkpoint(str(tmp_path / "global_step_1" / "critic"), None, 1, max_ckpt_to_keep=None)
     for key in ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/vpred_mean", "critic/lr"):
         assert_close(metrics[key], _mean(ref_metrics[key]), what=key)
     assert "perf/mfu/critic" in metrics
@@ -285,6 +287,10 @@ def test_verl_single_controller_path(layout, tiny_model, reference, ray_cluster)
         values = legacy_wg.compute_values(batch)
         batch = batch.union(values)  # the legacy trainer's own line
         output = legacy_wg.update_critic(batch)
+        # the 0.9 interface's checkpoint restores into the legacy one (checkpoint_path, del_local_after_load)
+        legacy_wg.load_checkpoint(str(tmp_path / "global_step_1" / "critic"), del_local_after_load=False)
+        restored = legacy_wg.compute_values(batch).batch["values"]
+    assert torch.equal(restored, after)
     assert_close(values.batch["values"], ref_values, what="values (legacy)")
     for key in ("critic/vf_loss", "critic/grad_norm"):
         assert_close(output.meta_info["metrics"][key], ref_metrics[key], what=key)

@@ -553,7 +553,6 @@ def _build_class(overrides: tuple, api: str) -> type:
             if self.critic is not None:
                 self.critic.close()
                 self.critic = None
-            self._section = None
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def set_loss_fn(self, loss_fn):
@@ -564,7 +563,6 @@ def _build_class(overrides: tuple, api: str) -> type:
                 raise ConfigError("set_loss_fn: megacritic computes verl's value loss itself and needs its "
                                   "settings: pass functools.partial(value_loss, config=<critic config>) as verl's "
                                   "trainer does")
-            self._section = section
             self._build(section)
 
         def _check_call(self, data) -> None:
