@@ -17,19 +17,6 @@ $(VENV)/.installed: pyproject.toml requirements-lock.txt
 	$(PY) -m pip install -q -c requirements-lock.txt -e ".[test,ray]"
 	touch $@
 
-# The embedded default model: a tiny Qwen2-style Hugging Face folder generated from the seed, so that
-# `make train` starts through the same checkpoint loader as a real model.
-DEFAULT_MODEL := .cache/default-critic
-
-$(DEFAULT_MODEL)/config.json: $(VENV)/.installed
-	$(PY) -m megacritic init-hf --out $(DEFAULT_MODEL)
-
-train: setup $(DEFAULT_MODEL)/config.json
-	$(PY) -m megacritic train model.path=$(DEFAULT_MODEL) $(ARGS)
-
-test: setup
-	$(PY) -m pytest -q
-
 # The verl adapter's tests run beside the real verl 0.9.1 under verl's own pins (tensordict 0.10.0, transformers
 # 5.10.x), in a separate environment: megacritic with its dependencies resolved against that lock (so its
 # declared ranges must admit verl's versions), then verl and what its single controller imports, without the
@@ -37,6 +24,7 @@ test: setup
 VERL_VENV := .cache/venv-verl
 VERL_PY   := $(VERL_VENV)/bin/python
 VERL_LOCK := tests/integrations/requirements-verl.txt
+VERL_TESTS := tests/integrations tests/data/test_rollouts.py
 
 $(VERL_VENV)/.installed: pyproject.toml $(VERL_LOCK)
 	rm -rf $(VERL_VENV)
@@ -47,8 +35,23 @@ $(VERL_VENV)/.installed: pyproject.toml $(VERL_LOCK)
 	$(VERL_PY) -m pip install -q --no-deps -r $(VERL_LOCK)
 	touch $@
 
+# The embedded default model: a tiny Qwen2-style Hugging Face folder generated from the seed, so that
+# `make train` starts through the same checkpoint loader as a real model.
+DEFAULT_MODEL := .cache/default-critic
+
+$(DEFAULT_MODEL)/config.json: $(VENV)/.installed
+	$(PY) -m megacritic init-hf --out $(DEFAULT_MODEL)
+
+train: setup $(DEFAULT_MODEL)/config.json
+	$(PY) -m megacritic train model.path=$(DEFAULT_MODEL) $(ARGS)
+
+# The whole suite, then the verl adapter's tests in their own environment (its build and run add ~1.5 min).
+test: setup $(VERL_VENV)/.installed
+	$(PY) -m pytest -q
+	$(VERL_PY) -m pytest -q $(VERL_TESTS)
+
 test-verl: $(VERL_VENV)/.installed
-	$(VERL_PY) -m pytest -q tests/integrations tests/data/test_rollouts.py
+	$(VERL_PY) -m pytest -q $(VERL_TESTS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

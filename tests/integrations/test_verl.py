@@ -266,6 +266,10 @@ def test_verl_single_controller_path(layout, tiny_model, reference, ray_cluster,
     with critic_group(worker_cls, training_cfg) as critic_wg:
         critic_wg.reset()
         critic_wg.set_loss_fn(partial(value_loss, config=critic_cfg))
+        critic_wg.to("cpu")  # the trainer's manual offload / onload and profiler hooks are accepted
+        critic_wg.to("device")
+        critic_wg.start_profile(profile_step=1)
+        critic_wg.stop_profile(run_command=True)
         batch = verl_batch()
         values = engine_compute_values(critic_wg, batch)
         assert values.shape == ref_values.shape and values.dtype == torch.float32
