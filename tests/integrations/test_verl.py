@@ -277,6 +277,12 @@ def test_verl_single_controller_path(layout, tiny_model, reference, ray_cluster,
         batch = batch.union(DataProto.from_dict(tensors={"values": values}))
         metrics = engine_update_critic(critic_wg, batch, config)
         after = engine_compute_values(critic_wg, batch)
+        # a per-call setting that disagrees with the critic's config is refused by name, before any step
+        wrong = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(wrong, mini_batch_size=BATCH, epochs=1, seed=3, dataloader_kwargs={"shuffle": True})
+        with pytest.raises(ray.exceptions.RayTaskError, match="ppo_mini_batch_size=16"):
+            critic_wg.train_mini_batch(wrong).get()
+        assert torch.equal(engine_compute_values(critic_wg, batch), after)
         # the trainer's save: <global_step folder>/critic, local only
         critic_wg.save_checkpoint(str(tmp_path / "global_step_1" / "critic"), None, 1, max_ckpt_to_keep=None)
     for key in ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac", "critic/vpred_mean", "critic/lr"):
