@@ -321,18 +321,18 @@ def config_from_verl(section, rollout_n: int | None = None) -> list[str]:
     """megacritic overrides (``dotted.key=value``) equivalent to verl's ``critic`` section.
 
     ``section``: the critic section as verl has it (an OmegaConf DictConfig, a dict, or verl's
-    ``McoreCriticConfig``). ``rollout_n``: responses per prompt (``actor_rollout_ref.rollout.n``, which
-    verl 0.9's trainer multiplies by); defaults to the section's own ``rollout_n`` (verl <= 0.8's factor). verl's ``ppo_mini_batch_size`` counts prompts and becomes
-    ``x rollout_n`` rollouts; the LR schedule advances once per update call (``optim.schedule_unit=call``).
+    ``McoreCriticConfig``). ``rollout_n``: responses per prompt (``actor_rollout_ref.rollout.n``, verl 0.9's
+    factor); defaults to the section's own ``rollout_n`` (verl <= 0.8's). verl's ``ppo_mini_batch_size``
+    counts prompts and becomes x rollout_n rollouts; the LR schedule advances once per update call
+    (``optim.schedule_unit=call``), as in verl.
     Settings without effect on the critic are logged; a setting whose effect megacritic lacks raises
     :class:`ConfigError` naming it. Put megacritic-only settings after these overrides."""
     leaves = verl_leaves(section)
-    if "engine" in leaves or any(k.startswith("engine.") for k in leaves):
-        leaves = {k: v for k, v in leaves.items() if k != "engine" and not k.startswith("engine.")}
     n = leaves.get("rollout_n", 1) if rollout_n is None else rollout_n
     if rollout_n is not None and leaves.get("rollout_n", rollout_n) != rollout_n:
         # verl 0.9's trainer multiplies by actor_rollout_ref.rollout.n, which the caller passes here.
-        log.warning("critic.rollout_n=%s differs from rollout_n=%s; using %s", leaves["rollout_n"], rollout_n, rollout_n)
+        log.warning("critic.rollout_n=%s differs from rollout_n=%s; using %s", leaves["rollout_n"], rollout_n,
+                    rollout_n)
     if not isinstance(n, int) or n < 1:
         raise ConfigError(f"critic.rollout_n={n!r}: must be a positive integer (responses per prompt)")
     out: dict[str, Any] = {"optim.schedule_unit": "call"}
@@ -348,10 +348,9 @@ def config_from_verl(section, rollout_n: int | None = None) -> list[str]:
             bookkeeping.append(key)
         elif rule.kind == "refused":
             # "${model.path}": the value verl's own config class fills in from model.path
-            allowed = [leaves.get("model.path") if a == "${model.path}" else a for a in rule.allowed]
-            if value not in allowed:
-                allowed = " or ".join(json.dumps(a) for a in rule.allowed) or "nothing"
-                raise ConfigError(f"critic.{key}={value!r}: {rule.why}; megacritic accepts only {allowed} here")
+            if value not in [leaves.get("model.path") if a == "${model.path}" else a for a in rule.allowed]:
+                accepted = " or ".join(json.dumps(a) for a in rule.allowed) or "nothing"
+                raise ConfigError(f"critic.{key}={value!r}: {rule.why}; megacritic accepts only {accepted} here")
         elif key == "ppo_mini_batch_size":
             out["ppo_mini_batch_size"] = out["data.rollouts_per_step"] = value * n
         elif key == "model.local_path" and value is None:
