@@ -123,6 +123,8 @@ _RULES: list[tuple[str, _Rule]] = [
     ("loss_agg_mode", _mapped("loss_agg_mode")),
     ("loss_scale_factor", _mapped("loss_scale_factor")),
     ("nccl_timeout", _mapped("megatron.nccl_timeout")),
+    ("load_weight", _refused(True, why="verl <= 0.7's switch for starting from model.path's weights; megacritic "
+                                       "always does (its random start is a model without model.path)")),
     ("strategy", _bookkeeping("verl's choice of training engine; megacritic is the engine")),
     ("enable", _bookkeeping("verl's trainer switch for the critic")),
     ("_target_", _bookkeeping("verl's config class")),
