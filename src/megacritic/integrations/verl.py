@@ -160,7 +160,7 @@ _RULES: list[tuple[str, _Rule]] = [
     ("optim.muon_*", _bookkeeping(_INERT + " (optimizer=muon)")),
     ("optim.override_optimizer_config", _refused({}, None, why="Megatron optimizer overrides are not "
                                                                 "implemented")),
-    ("optim.override_optimizer_config.*", _refused(why="Megatron optimizer overrides are not implemented")),
+    ("optim.override_optimizer_config.*", _refused({}, None, why="Megatron optimizer overrides are not implemented")),
     # ---- Megatron layout and engine
     ("megatron.tensor_model_parallel_size", _mapped("megatron.tensor_model_parallel_size")),
     ("megatron.pipeline_model_parallel_size", _mapped("megatron.pipeline_model_parallel_size")),
@@ -182,12 +182,12 @@ _RULES: list[tuple[str, _Rule]] = [
     ("megatron.override_transformer_config.attention_backend",
      _converted("model.attention_impl", _attention_backend, "flash/auto: megacritic's FlashAttention (auto)")),
     ("megatron.override_transformer_config", _refused({}, None, why="no other transformer overrides")),
-    ("megatron.override_transformer_config.*", _refused(why="megacritic builds the transformer config from "
+    ("megatron.override_transformer_config.*", _refused({}, None, why="megacritic builds the transformer config from "
                                                             "the model; no other overrides are implemented")),
     ("megatron.override_ddp_config", _refused({}, None, why="DDP overrides are not implemented")),
-    ("megatron.override_ddp_config.*", _refused(why="DDP overrides are not implemented")),
+    ("megatron.override_ddp_config.*", _refused({}, None, why="DDP overrides are not implemented")),
     ("megatron.override_mcore_model_config", _refused({}, None, why="model overrides are not implemented")),
-    ("megatron.override_mcore_model_config.*", _refused(why="model overrides are not implemented")),
+    ("megatron.override_mcore_model_config.*", _refused({}, None, why="model overrides are not implemented")),
     ("megatron.use_dist_checkpointing", _refused(False, why="loading verl's Megatron dist checkpoints is not "
                                                             "implemented (megacritic loads Hugging Face folders "
                                                             "and its own checkpoints)")),
@@ -228,7 +228,8 @@ _RULES: list[tuple[str, _Rule]] = [
     ("model.hf_config_path", _refused(None, "${model.path}", why="megacritic reads config.json from model.path")),
     ("model.external_lib", _refused(None, why="megacritic builds its own value model (7 Hugging Face families)")),
     ("model.override_config", _refused({}, None, why="Hugging Face config overrides are not implemented")),
-    ("model.override_config.*", _refused(why="Hugging Face config overrides are not implemented")),
+    ("model.override_config.moe_config.freeze_moe_router", _mapped("model.freeze_moe_router")),
+    ("model.override_config.*", _refused({}, None, why="Hugging Face config overrides are not implemented")),
     ("model.enable_activation_offload", _refused(False, why="activation offload is not implemented")),
     ("model.lora_rank", _refused(0, why="LoRA is not implemented")),
     ("model.lora_adapter_path", _refused(None, why="LoRA is not implemented")),
@@ -273,7 +274,7 @@ _RULES: list[tuple[str, _Rule]] = [
     ("checkpoint.save_lora_only", _bookkeeping(_INERT + " (LoRA)")),
     ("checkpoint.async_save", _refused(False, why="asynchronous saving is not implemented")),
     ("checkpoint.mbridge_config", _refused({}, None, why="verl's Hugging Face weight converter options")),
-    ("checkpoint.mbridge_config.*", _refused(why="verl's Hugging Face weight converter options")),
+    ("checkpoint.mbridge_config.*", _refused({}, None, why="verl's Hugging Face weight converter options")),
     ("profiler.enable", _refused(False, None, why="verl's profiler does not reach megacritic (start_profile is a "
                                                    "no-op); use overrides trainer.profile_steps")),
     ("profiler", _bookkeeping(_INERT + " (profiler.enable)")),
