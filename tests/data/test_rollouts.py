@@ -498,9 +498,10 @@ def test_nested_token_values_sit_before_each_response_token():
 
 def test_critic_worker_gives_the_same_values_and_loss_for_both_layouts():
     from megacritic import CriticWorker, load_config
+    from megacritic.config import TINY_MODEL_OVERRIDES
     from megacritic.data.sources import SyntheticRollouts
 
-    config = load_config(["data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2",
+    config = load_config([*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2",
                           "model.num_hidden_layers=2", "data.response_length=[2,10]"])
     padded = SyntheticRollouts(config).batch(0)
     r = padded["responses"].shape[1]

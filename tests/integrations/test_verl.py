@@ -34,6 +34,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 from megacritic import ConfigError, CriticWorker, load_config  # noqa: E402
 from megacritic.cli import init_hf  # noqa: E402
+from megacritic.config import TINY_MODEL_OVERRIDES  # noqa: E402
 from megacritic.integrations.verl import (  # noqa: E402
     config_from_verl, critic_config_from_verl, critic_worker_cls, verl_leaves, verl_rule)
 
@@ -98,7 +99,7 @@ def test_shipped_section_converts(caplog):
     assert settings["model.path"] == '"' + os.path.expanduser("~/models/deepseek-llm-7b-chat") + '"'
     assert "profiler.tool_config.torch.schedule.wait" in caplog.text  # bookkeeping is logged, not silent
     # Everything but the (absent) model folder validates.
-    config = load_config([o for o in overrides if not o.startswith("model.path")])
+    config = load_config([*TINY_MODEL_OVERRIDES, *(o for o in overrides if not o.startswith("model.path"))])
     assert config.optim.lr == 1e-5 and config.shuffle is False and config.megatron.nccl_timeout == 600
 
 
@@ -137,7 +138,7 @@ def test_units_that_differ_are_converted():
 def tiny_model(tmp_path_factory):
     """A tiny Qwen2-style Hugging Face folder (megacritic's seeded model), for verl's HFModelConfig and ours."""
     out = str(tmp_path_factory.mktemp("tiny-critic"))
-    init_hf(out, load_config(["model.num_hidden_layers=2"]))
+    init_hf(out, ["model.num_hidden_layers=2"], None)
     return out
 
 
