@@ -24,7 +24,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.single_controller.ray import (  # noqa: E402
     RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls)
-from verl.trainer.ppo.metric_utils import reduce_metrics  # noqa: E402
+from verl.utils.metric import reduce_metrics  # noqa: E402  (the trainer's own)
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.utils.py_functional import rename_dict  # noqa: E402
