@@ -4,7 +4,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from megacritic.data.rollouts import BatchError, Rollouts, dp_shards, mini_batch_indices, rollouts_from_batch
+from megacritic.data.rollouts import (BatchError, Rollouts, dp_shards, mini_batch_indices, nested_token_values,
+                                     rollouts_from_batch)
 from megacritic.packing.partition import reverse_index
 
 VOCAB = 50
@@ -414,3 +415,112 @@ def test_dp_shards_not_divisible():
         dp_shards(torch.arange(10), 4)
     with pytest.raises(BatchError, match="groups of 4"):
         dp_shards(torch.arange(12), 2, unit=4)
+
+
+# ---------------------------------------------------------------- verl 0.9's no-padding layout
+
+
+def no_padding(batch: TensorDict) -> TensorDict:
+    """The batch as verl 0.9's trainer sends it (``left_right_2_no_padding``): input_ids and position_ids as
+    jagged nested tensors of the real tokens, the rest still padded, plus verl's non-tensor extras."""
+    out = batch.clone()
+    real = out["attention_mask"].bool()
+    lens = real.sum(1)
+    offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    for key in ("input_ids", "position_ids"):
+        padded = out.pop(key)
+        out[key] = torch.nested.nested_tensor_from_jagged(padded[real], offsets=offsets)
+    if "response_mask" in out.keys():
+        out["loss_mask"] = out["response_mask"]
+    out.set_non_tensor("max_seq_len", real.shape[1])
+    return out
+
+
+def test_no_padding_batch_gives_the_padded_rollouts():
+    padded = make_batch(PL, RL, P, R, response_mask=True)
+    padded["response_mask"][1, 2] = 0  # a tool token inside the response
+    nested = no_padding(padded)
+    assert nested["input_ids"].is_nested
+    for need_targets in (True, False):
+        a = rollouts_from_batch(padded, need_targets, vocab_size=VOCAB)
+        b = rollouts_from_batch(FakeDataProto(nested), need_targets, vocab_size=VOCAB)
+        assert a.tensors().keys() == b.tensors().keys()
+        for key, value in a.tensors().items():
+            assert torch.equal(value, b.tensors()[key]), key
+            assert value.dtype == b.tensors()[key].dtype, key
+
+
+def test_no_padding_batch_with_the_prompts_key():
+    padded = make_batch(PL, RL, P, R)
+    padded["input_ids"][:, :P] += 7 * (1 - padded["attention_mask"][:, :P])  # pad ids that are not 0
+    padded["prompts"] = padded["input_ids"][:, :P].clone()
+    a, b = rollouts_from_batch(padded, True), rollouts_from_batch(no_padding(padded), True)
+    assert torch.equal(a.input_ids, b.input_ids)
+
+
+def test_no_padding_batch_needs_the_attention_mask():
+    nested = no_padding(valid())
+    del nested["attention_mask"]
+    with pytest.raises(BatchError, match="attention_mask"):
+        rollouts_from_batch(nested, True)
+
+
+def test_no_padding_batch_whose_rows_disagree_with_the_mask():
+    nested = no_padding(valid())
+    mask = nested["attention_mask"].clone()
+    mask[0, P] = 1 - mask[0, P]
+    nested["attention_mask"] = mask
+    with pytest.raises(BatchError, match=r"input_ids \(nested\) rows \[0\]"):
+        rollouts_from_batch(nested, True)
+
+
+def test_no_padding_batch_needs_nested_position_ids():
+    padded = valid()
+    nested = no_padding(padded)
+    nested["position_ids"] = torch.nested.as_nested_tensor(
+        [torch.zeros(int(n), dtype=torch.int64) + 1 for n in padded["attention_mask"].sum(1)], layout=torch.jagged)
+    with pytest.raises(BatchError, match="position_ids"):
+        rollouts_from_batch(nested, True)  # positions must count real tokens from 0, as in the padded layout
+
+
+def test_nested_token_values_sit_before_each_response_token():
+    rollouts = rollouts_from_batch(valid(), False)
+    values = torch.randn(len(rollouts), R) * rollouts.response_mask
+    nested = nested_token_values(values, rollouts)
+    assert nested.is_nested and nested.offsets().diff().tolist() == rollouts.seq_lens.tolist()
+    flat, offsets = nested.values(), nested.offsets()
+    for row, (p, r) in enumerate(zip(rollouts.prompt_lens.tolist(), rollouts.response_lens.tolist())):
+        tokens = flat[offsets[row]:offsets[row + 1]]
+        # verl's no_padding_2_padding reads token P - 1 + i for response token i
+        assert torch.equal(tokens[p - 1:p - 1 + r], values[row, :r])
+        assert not tokens[:p - 1].any() and not tokens[p - 1 + r:].any()
+
+
+def test_critic_worker_gives_the_same_values_and_loss_for_both_layouts():
+    from megacritic import CriticWorker, load_config
+    from megacritic.config import TINY_MODEL_OVERRIDES
+    from megacritic.data.sources import SyntheticRollouts
+
+    config = load_config([*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2",
+                          "model.num_hidden_layers=2", "data.response_length=[2,10]"])
+    padded = SyntheticRollouts(config).batch(0)
+    r = padded["responses"].shape[1]
+    padded["response_mask"] = padded["attention_mask"][:, -r:].clone()
+    results = []
+    for layout in (lambda b: b, no_padding):
+        worker = CriticWorker(config)
+        worker.init_model()
+        try:
+            batch = padded.clone()
+            values = worker.compute_values(layout(batch))
+            batch["values"] = values
+            metrics = worker.update_critic(layout(batch))
+            results.append((values, metrics, worker.compute_values(layout(batch))))
+        finally:
+            worker.close()
+    (values_a, metrics_a, after_a), (values_b, metrics_b, after_b) = results
+    assert values_b.shape == values_a.shape and values_b.dtype == torch.float32
+    assert torch.equal(values_a, values_b)
+    for key in ("critic/vf_loss", "critic/grad_norm", "critic/vf_clipfrac"):
+        assert metrics_a[key] == metrics_b[key], key
+    assert torch.equal(after_a, after_b)

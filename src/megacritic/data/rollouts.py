@@ -6,6 +6,11 @@ A batch is a ``tensordict.TensorDict`` or any object with ``.batch`` (TensorDict
 ``values`` and ``returns`` [B, R]; optionally ``response_mask`` [B, R] (the loss mask; defaults to the
 response part of ``attention_mask``). Prompts are left-padded, responses right-padded.
 
+verl 0.9's no-padding layout (``left_right_2_no_padding``) is accepted too: ``input_ids`` and
+``position_ids`` as jagged ``torch.nested`` tensors holding only the real tokens of each rollout, the
+other keys still padded. ``attention_mask`` [B, T] must be present (verl keeps it) to say where each
+rollout's prompt ends; the batch then describes the same :class:`Rollouts` as its padded form.
+
 Every rank passes the same global batch; each data-parallel rank takes its own shard, balanced by tokens
 (:func:`dp_shards`).
 """
@@ -82,9 +87,63 @@ def _monotone(mask: Tensor, increasing: bool) -> Tensor:
     return (diff < 0).any(1) if increasing else (diff > 0).any(1)
 
 
+def _is_nested(x) -> bool:
+    return isinstance(x, Tensor) and x.is_nested
+
+
+def _unpadded_tensors(td: TensorDict) -> dict[str, Tensor]:
+    """verl 0.9's no-padding layout turned back into the padded one: each rollout's real tokens (and
+    positions) placed where ``attention_mask`` has its 1s. Every check of the padded layout then applies."""
+    input_ids = td["input_ids"]
+    if "attention_mask" not in td.keys() or _is_nested(td["attention_mask"]):
+        raise BatchError("input_ids is a nested (no-padding) tensor: the batch also needs the padded "
+                         "attention_mask [batch, prompt+response] (verl's left_right_2_no_padding keeps it) to "
+                         "say where each rollout's prompt ends")
+    for key in ("position_ids", "responses"):
+        if key not in td.keys():
+            raise BatchError(f"batch is missing key {key!r}; it has {sorted(td.keys())}")
+    attention_mask, responses, positions = td["attention_mask"], td["responses"], td["position_ids"]
+    if attention_mask.ndim != 2 or input_ids.dim() != 2 or input_ids.size(0) != attention_mask.shape[0]:
+        raise BatchError(f"nested input_ids holds {input_ids.size(0)} rollouts; attention_mask must be "
+                         f"[{input_ids.size(0)}, prompt+response], got {tuple(attention_mask.shape)}")
+    if not _is_nested(positions) or positions.dim() != 2:
+        raise BatchError("with nested input_ids, position_ids must be nested the same way (one position per real "
+                         "token; 3-D multimodal positions are not supported)")
+    b, t = attention_mask.shape
+    if responses.ndim != 2 or responses.shape[0] != b or not 0 < responses.shape[1] < t:
+        raise BatchError(f"responses has shape {tuple(responses.shape)}; expected [{b}, R] with 0 < R < {t}")
+    bad = ((attention_mask != 0) & (attention_mask != 1)).any(1)
+    if bad.any():
+        raise BatchError(f"attention_mask must be 0/1; rows {_rows(bad)}")
+    real = attention_mask.bool()
+    for key, x in (("input_ids", input_ids), ("position_ids", positions)):
+        lens = x.offsets().diff()
+        bad = lens != real.sum(1)
+        if bad.any():
+            raise BatchError(f"{key} (nested) rows {_rows(bad)} hold {lens[bad].tolist()[:8]} tokens where "
+                             f"attention_mask counts {real.sum(1)[bad].tolist()[:8]}")
+    r = responses.shape[1]
+    ids = torch.zeros((b, t), dtype=input_ids.dtype)
+    ids[:, t - r:] = responses.to(ids.dtype)  # padding columns as in the padded layout
+    if "prompts" in td.keys() and not _is_nested(td["prompts"]) and tuple(td["prompts"].shape) == (b, t - r):
+        ids[:, : t - r] = td["prompts"].to(ids.dtype)
+    ids[real] = input_ids.values().to(ids.dtype)
+    pos = (attention_mask.to(torch.int64).cumsum(1) - 1).clamp(min=0)
+    pos[real] = positions.values().to(torch.int64)
+    out = {"input_ids": ids, "position_ids": pos}
+    for key in ("response_mask", "values", "returns"):
+        if key in td.keys() and _is_nested(td[key]):
+            out[key] = td[key].to_padded_tensor(0.0, output_size=(b, r))
+    return out
+
+
 def rollouts_from_batch(data, need_targets: bool, vocab_size: int | None = None) -> Rollouts:
-    """Check a verl-layout batch and describe it as :class:`Rollouts`; raises BatchError naming the key."""
+    """Check a verl-layout batch (padded, or verl 0.9's no-padding one) and describe it as :class:`Rollouts`;
+    raises BatchError naming the key."""
     td = to_tensordict(data)
+    if "input_ids" in td.keys() and _is_nested(td["input_ids"]):
+        td = TensorDict({k: td[k] for k in ("attention_mask", "responses", "response_mask", "values", "returns")
+                         if k in td.keys()} | _unpadded_tensors(td), batch_size=td.batch_size[:1])
     required = ["input_ids", "attention_mask", "position_ids", "responses"]
     if need_targets:
         required += ["values", "returns"]
@@ -155,6 +214,19 @@ def rollouts_from_batch(data, need_targets: bool, vocab_size: int | None = None)
         returns = torch.where(response_mask > 0, returns, 0).to(torch.float32)
     return Rollouts(input_ids=input_ids.to(torch.int64), prompt_lens=prompt_lens, response_lens=response_lens,
                     response_mask=response_mask, values=values, returns=returns)
+
+
+def nested_token_values(values: Tensor, rollouts: Rollouts) -> Tensor:
+    """Response values [B, R] in verl 0.9's no-padding layout: a jagged [B, prompt+response] tensor of each
+    rollout's real tokens, where token ``P_b - 1 + i`` holds the value of response token i of rollout b (the
+    output at the token before it, which verl's ``no_padding_2_padding`` reads back) and the rest are 0."""
+    lens, p, r = rollouts.seq_lens, rollouts.prompt_lens, rollouts.response_lens
+    offsets = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+    flat = torch.zeros(int(offsets[-1]), dtype=values.dtype)
+    cols = torch.arange(values.shape[1])
+    inside = cols[None, :] < r[:, None]
+    flat[(offsets[:-1, None] + p[:, None] - 1 + cols[None, :])[inside]] = values[inside]
+    return torch.nested.nested_tensor_from_jagged(flat, offsets=offsets)
 
 
 def mini_batch_indices(n: int, mini_batch_size: int, epochs: int, shuffle: bool, seed: int | None,
