@@ -115,8 +115,8 @@ class _RankActor:
         import torch
         info = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "local_rank": os.environ.get("LOCAL_RANK"), "device": None, "uuid": None}
-        if torch.cuda.is_available() and self.worker is not None and self.worker.layout is not None:
-            device = self.worker.layout.device
+        if torch.cuda.is_available() and self.worker is not None and self.worker.ranks is not None:
+            device = self.worker.ranks.device
             info.update(device=str(device), uuid=str(torch.cuda.get_device_properties(device).uuid))
         return info
 
