@@ -20,7 +20,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.timers import Timers
 
 from megacritic import checkpoint, compat
-from megacritic.compat.kernels import use_fused_adamw
+from megacritic.compat.kernels import precision_aware_without_te, use_fused_adamw
 from megacritic.config import ConfigError, CriticConfig, is_moe, to_dict, validate
 from megacritic.critic import MegatronPPOCritic
 from megacritic.model.value_model import build_value_model, padded_vocab_size, transformer_config
@@ -53,17 +53,6 @@ def cpu_optimizer_options(config: CriticConfig, on_cpu: bool) -> dict:
                           "optimizer state to the host: choose one (optimizer_cpu_offload keeps it there)")
     return dict(optimizer_cpu_offload=True, optimizer_offload_fraction=mg.optimizer_offload_fraction,
                 overlap_cpu_optimizer_d2h_h2d=True, store_param_remainders=False)
-
-
-def _precision_aware(optimizer_config: OptimizerConfig) -> OptimizerConfig:
-    """Turn on use_precision_aware_optimizer, which the hybrid device optimizer needs, after construction:
-    megatron-core 0.16.1's OptimizerConfig.__post_init__ reads Transformer Engine's version whenever it is
-    set and fails without TE (``None >= Version``), only to decide store_param_remainders (a TE FusedAdam
-    feature, off here). The derived flag is what __post_init__ sets with CPU offload."""
-    if optimizer_config.optimizer_cpu_offload:
-        optimizer_config.use_precision_aware_optimizer = True
-        optimizer_config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
-    return optimizer_config
 
 
 def optimizer_steps(config: CriticConfig) -> int:
@@ -152,7 +141,7 @@ class CriticWorker:
 
         # 4. Optimizer (Adam, distributed over DP by default) and 5. LR schedule.
         o = cfg.optim
-        optimizer = get_megatron_optimizer(_precision_aware(OptimizerConfig(
+        optimizer = get_megatron_optimizer(precision_aware_without_te(OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
             adam_beta1=o.betas[0], adam_beta2=o.betas[1], adam_eps=o.eps,
             # clip_grad=0 disables clipping; an infinite threshold keeps Megatron measuring the norm.

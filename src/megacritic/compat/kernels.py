@@ -102,3 +102,14 @@ def use_fused_adamw(optimizer) -> None:
     for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             group.update(fused=True, foreach=False)
+
+
+def precision_aware_without_te(optimizer_config):
+    """Turn on use_precision_aware_optimizer, which the hybrid device optimizer needs, after construction:
+    megatron-core 0.16.1's OptimizerConfig.__post_init__ reads Transformer Engine's version whenever it is
+    set and fails without TE (``None >= Version``), only to decide store_param_remainders (a TE FusedAdam
+    feature, off here). The derived flag is what __post_init__ sets with CPU offload."""
+    if optimizer_config.optimizer_cpu_offload:
+        optimizer_config.use_precision_aware_optimizer = True
+        optimizer_config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+    return optimizer_config
