@@ -30,6 +30,7 @@ from megacritic.config.schema import fail, positive
 from megacritic.data.rollouts import BatchError
 from megacritic.data.sources import rollout_source
 from megacritic.flops import model_forward_flops, peak_flops
+from megacritic.model.layers import attention_impl_of
 from megacritic.plots import plot_training_curves
 from megacritic.worker import CriticWorker
 
@@ -238,6 +239,7 @@ def train(config: CriticConfig) -> dict[str, float]:
     state = _resume(worker, ckpt_root, speaker) if t.resume else {}
     first, step = state.get("iteration", 0), state.get("step", 0)
     peak = peak_flops()
+    worker_attention = attention_impl_of(worker.critic.model)  # fa4 / fa2 / sdpa, chosen once at build
     log = None
     if speaker:
         os.makedirs(t.output_dir, exist_ok=True)
@@ -287,5 +289,5 @@ def train(config: CriticConfig) -> dict[str, float]:
         print(f"done: {step} optimizer steps over {t.steps} iterations\n"
               f"  vf_loss {last['critic/vf_loss']:.4g}   explained variance {last['critic/vf_explained_var']:.4f}   "
               f"clip fraction {last['critic/vf_clipfrac']:.3f}   grad norm {last['critic/grad_norm']:.3g}\n"
-              f"  metrics {log.path}\n  curves  {curves}")
+              f"  metrics {log.path}\n  curves  {curves}\n  attention kernel {worker_attention}")
     return last

@@ -1,7 +1,8 @@
 """The configuration schema: one dataclass per section, and the checks a config must pass.
 
 Key names follow verl's critic config (``ppo_mini_batch_size``, ``megatron.tensor_model_parallel_size``,
-``optim.lr`` ...) so an existing verl critic section can be pasted in. The library reads the top level and
+``optim.lr`` ...) so verl users keep their settings (a verl critic section itself goes through
+:func:`megacritic.integrations.verl.config_from_verl`). The library reads the top level and
 the ``model``, ``megatron`` and ``optim`` sections; ``data``, ``algorithm`` and ``trainer`` are settings of the
 ``megacritic train`` job, checked by :mod:`megacritic.train_loop`. :func:`validate` is pure: no I/O,
 nothing mutated; the checks that need the world size are made by :class:`~megacritic.parallel.ParallelLayout`,
