@@ -6,6 +6,7 @@ The single-process reference is tests/multiproc/parity_run.py's own run (model, 
 old values that exercise the clipped loss), computed in this process. One Ray cluster for the module.
 """
 
+import dataclasses
 import importlib.util
 import time
 from pathlib import Path
@@ -198,6 +199,11 @@ def test_malformed_batch_refused_in_driver(doomed, monkeypatch):
         group.update_critic(targets[:12])
     with pytest.raises(BatchError, match="TensorDict"):
         group.update_critic([targets, {"input_ids": 1}])
+    # longer than the model's positions: refused in the driver too (a check that needs no collective)
+    short = dataclasses.replace(config.model, max_position_embeddings=int(good["attention_mask"].sum(1).max()) - 1)
+    monkeypatch.setattr(group, "config", dataclasses.replace(config, model=short))
+    with pytest.raises(BatchError, match="model.max_position_embeddings"):
+        group.compute_values(good)
     monkeypatch.undo()
     assert group.compute_values(good).shape == good["responses"].shape  # the group is still fine
 

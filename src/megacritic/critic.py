@@ -21,9 +21,9 @@ from megacritic.config import CriticConfig
 from megacritic.data.rollouts import (
     BatchError,
     Rollouts,
+    check_batch,
     dp_shards,
     mini_batch_indices,
-    rollouts_from_batch,
     to_tensordict,
 )
 from megacritic.losses import STAT_KEYS, stack_stats, step_metrics, token_weights
@@ -195,13 +195,8 @@ class MegatronPPOCritic:
 
     def _receive(self, data, need_targets: bool) -> Rollouts:
         """Check the batch, then take the last pipeline rank's copy (so every stage sees the same data)."""
-        rollouts = rollouts_from_batch(data, need_targets, vocab_size=self.config.model.vocab_size)
-        limit = self.config.model.max_position_embeddings
-        too_long = rollouts.seq_lens > limit
-        if too_long.any():
-            rows = too_long.nonzero().flatten().tolist()
-            raise BatchError(f"attention_mask: rollouts {rows[:8]} have {int(rollouts.seq_lens.max())} real tokens, "
-                             f"more than the model's {limit} positions (model.max_position_embeddings)")
+        model = self.config.model
+        rollouts = check_batch(data, need_targets, model.vocab_size, model.max_position_embeddings)
         if self.layout.pp == 1:
             return rollouts
         mpu, device = _mpu(), self.ranks.device

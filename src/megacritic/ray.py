@@ -35,7 +35,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("megacritic.ray needs Ray: pip install 'megacritic[ray]'") from e
 
 from megacritic.config import ConfigError, CriticConfig, load_config, validate
-from megacritic.data.rollouts import mini_batch_indices, rollouts_from_batch, to_tensordict
+from megacritic.data.rollouts import check_batch, mini_batch_indices, to_tensordict
 from megacritic.parallel import ParallelLayout
 
 __all__ = ["CriticFuture", "CriticGroup", "CriticGroupError"]
@@ -376,7 +376,8 @@ class CriticGroup:
         several = isinstance(batch, (list, tuple))
         tds = []
         for one in batch if several else [batch]:
-            rollouts = rollouts_from_batch(one, need_targets, vocab_size=self.config.model.vocab_size)
+            model = self.config.model
+            rollouts = check_batch(one, need_targets, model.vocab_size, model.max_position_embeddings)
             if need_targets:
                 mini_batch_indices(len(rollouts), self.config.ppo_mini_batch_size, 1, False, None)
             td = to_tensordict(one)  # (a verl DataProto's tensors)

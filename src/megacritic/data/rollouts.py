@@ -137,6 +137,17 @@ def _unpadded_tensors(td: TensorDict) -> dict[str, Tensor]:
     return out
 
 
+def check_batch(data, need_targets: bool, vocab_size: int | None, max_positions: int | None) -> Rollouts:
+    """Every check of a batch that needs no collective (what a driver can refuse before sending it anywhere):
+    :func:`rollouts_from_batch`, then the model's position limit."""
+    rollouts = rollouts_from_batch(data, need_targets, vocab_size=vocab_size)
+    too_long = rollouts.seq_lens > max_positions if max_positions is not None else None
+    if too_long is not None and too_long.any():
+        raise BatchError(f"attention_mask: rollouts {_rows(too_long)} have {int(rollouts.seq_lens.max())} real tokens, "
+                         f"more than the model's {max_positions} positions (model.max_position_embeddings)")
+    return rollouts
+
+
 def rollouts_from_batch(data, need_targets: bool, vocab_size: int | None = None) -> Rollouts:
     """Check a verl-layout batch (padded, or verl 0.9's no-padding one) and describe it as :class:`Rollouts`;
     raises BatchError naming the key."""
