@@ -100,6 +100,14 @@ def test_calls_before_init_model_are_errors():
         w.compute_values(None)
 
 
+def test_offload_by_hand_names_its_parts(worker, batch):
+    with pytest.raises(ValueError, match="offload parts \\['weights'\\]"):
+        worker.offload(["weights"])
+    worker.offload(["params", "grads", "optimizer"])  # on CPU nothing moves, and the critic still works
+    worker.onload(["params", "grads", "optimizer"])
+    assert worker.compute_values(batch).shape == batch["responses"].shape
+
+
 def test_rollout_longer_than_the_model_positions_is_refused(worker):
     limit = worker.config.model.max_position_embeddings
     ids = torch.ones(2, limit + 4, dtype=torch.long)

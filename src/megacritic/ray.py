@@ -328,9 +328,10 @@ class CriticGroup:
         """Restore a checkpoint saved under any layout; returns its trainer_state."""
         return self._call("load_checkpoint", folder)
 
-    def offload(self) -> None:
-        """Move what the megatron.*_offload switches name to host memory (nothing to do on CPU)."""
-        self._call("offload")
+    def offload(self, parts=None) -> None:
+        """Move ``parts`` (default: what the megatron.*_offload switches name) to host memory (nothing to do
+        on CPU); :meth:`megacritic.CriticWorker.offload`."""
+        self._call("offload", None if parts is None else tuple(parts))
 
     def onload(self, parts=("params", "grads", "optimizer")) -> None:
         """Bring offloaded parts back to the GPU."""

@@ -202,13 +202,20 @@ class CriticWorker:
         finally:
             self.offload(unchanged=brought_back if read_only else ())
 
-    def offload(self, unchanged=()) -> None:
-        """Move what megatron.{param,grad,optimizer}_offload name to host memory (pinned; gradient buffers are
-        released, not copied) and release the device memory; parts already on the host stay there. Nothing
-        to move on CPU. ``unchanged``: parts only read since their onload (freed without a copy)."""
+    def offload(self, parts=None, unchanged=()) -> None:
+        """Move ``parts`` (some of "params", "grads", "optimizer"; default: what megatron.{param,grad,
+        optimizer}_offload name) to host memory (pinned; gradient buffers are released, not copied) and
+        release the device memory; parts already on the host stay there. Nothing to move on CPU. Parts moved
+        by hand that the switches do not name come back for each call and stay on the device after it.
+        ``unchanged``: parts only read since their onload (freed without a copy)."""
         critic, mg = self._require_model(), self.config.megatron
-        flags = {"params": mg.param_offload, "grads": mg.grad_offload, "optimizer": mg.optimizer_offload}
-        todo = [part for part in OFFLOAD_PARTS if flags[part] and part not in self._on_host]
+        if parts is None:
+            flags = {"params": mg.param_offload, "grads": mg.grad_offload, "optimizer": mg.optimizer_offload}
+            parts = [part for part in OFFLOAD_PARTS if flags[part]]
+        unknown = [part for part in parts if part not in OFFLOAD_PARTS]
+        if unknown:
+            raise ValueError(f"offload parts {unknown}: choose from {', '.join(OFFLOAD_PARTS)}")
+        todo = [part for part in OFFLOAD_PARTS if part in parts and part not in self._on_host]
         if self.ranks.device.type != "cuda" or not todo:
             return
         params = [p for chunk in critic.model for p in chunk.parameters()]

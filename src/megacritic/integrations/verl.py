@@ -606,15 +606,15 @@ def _build_class(overrides: tuple, api: str) -> type:
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def to(self, device, model=True, optimizer=True, grad=True):
-            """verl's manual offload: ``cpu`` moves to host memory what megatron.*_offload name (the critic
-            already waits there between calls), ``device`` brings the named parts back."""
+            """verl's manual offload: ``cpu`` moves the named parts to host memory, ``device`` brings them back."""
             if device not in ("cpu", "device"):
                 raise ConfigError(f"to(device={device!r}): verl's values are cpu or device")
             critic = self._require()
+            parts = [p for p, on in (("params", model), ("optimizer", optimizer), ("grads", grad)) if on]
             if device == "cpu":
-                critic.offload()
+                critic.offload(parts)
             else:
-                critic.onload([p for p, on in (("params", model), ("optimizer", optimizer), ("grads", grad)) if on])
+                critic.onload(parts)
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL)
         def start_profile(self, **kwargs):
