@@ -144,10 +144,10 @@ def test_process_group_of_another_role_is_used_and_left_up(monkeypatch):
 
     from megacritic import CriticWorker
     from megacritic.data.sources import SyntheticRollouts
-    from megacritic.parallel import _free_port
+    from megacritic.parallel import free_port
 
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         config = load_config([*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2"])
         worker = CriticWorker(config)

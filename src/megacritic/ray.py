@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import time
 import traceback
 from collections import Counter
@@ -36,7 +35,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from megacritic.config import ConfigError, CriticConfig, load_config, validate
 from megacritic.data.rollouts import check_batch, mini_batch_indices, to_tensordict
-from megacritic.parallel import ParallelLayout
+from megacritic.parallel import ParallelLayout, free_port
 
 __all__ = ["CriticFuture", "CriticGroup", "CriticGroupError"]
 
@@ -73,12 +72,6 @@ class RankPlacement:
     pid: int
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _device_env(gpu_ids: list[str]) -> dict[str, str]:
     """CUDA_VISIBLE_DEVICES / LOCAL_RANK for an actor given ``gpu_ids`` by Ray.
 
@@ -108,7 +101,7 @@ class _RankActor:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "pid": os.getpid()}
 
     def free_port(self) -> int:
-        return _free_port()
+        return free_port("")  # other nodes' ranks connect to it
 
     def device_info(self) -> dict:
         """The device this rank computes on, as its process sees it (for checks of the GPU assignment)."""
