@@ -30,7 +30,8 @@ import shutil
 import time
 from typing import Any, Callable, NamedTuple
 
-from megacritic.config import ConfigError, CriticConfig, load_config
+from megacritic.config import ConfigError, CriticConfig
+from megacritic.config.load import load_config
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""The glue between the critic and Megatron-Core's pipeline schedule.
+"""The glue between the critic and Megatron-Core's pipeline schedule (``get_forward_backward_func``).
 
-:class:`Schedule` runs one rank's rollouts through ``get_forward_backward_func``: it plans and builds the
+:class:`ForwardBackward` runs one rank's rollouts through Megatron's forward-backward function: it plans and builds the
 micro-batches (:class:`~megacritic.packing.micro_batches.MicroBatchPolicy`), gives Megatron its
 ``forward_step`` and loss function (Megatron's contract: ``forward_step(data_iterator, model) -> (output,
 loss_func)``, ``loss_func(output) -> (loss, num_tokens, report)``) and the pipeline's shape arguments.
@@ -15,7 +15,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import (
     clear_aux_losses_tracker,
@@ -27,7 +26,7 @@ from megacritic.config import ModelConfig, moe_layer_pattern
 from megacritic.data.rollouts import Rollouts
 from megacritic.losses import value_loss_and_stats
 from megacritic.packing.micro_batches import MicroBatch, MicroBatchPolicy
-from megacritic.parallel import ParallelLayout, Ranks
+from megacritic.parallel import ParallelLayout, ProcessGroups, Ranks
 
 # Megatron-Core's timer names (with the log level it creates them at) -> our timing_s/* metric. The schedule's
 # "forward-backward" spans the whole schedule, transfers and gradient reduction included; the others are parts.
@@ -69,12 +68,12 @@ class StepTimers:
         return out
 
 
-def max_over_dp(value: int, layout: ParallelLayout) -> int:
+def max_over_dp(value: int, layout: ParallelLayout, groups: ProcessGroups) -> int:
     """The largest ``value`` over the data-parallel ranks (on the host, through the gloo group)."""
     if layout.dp == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group_gloo())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.dp_gloo)
     return int(t.item())
 
 
@@ -92,11 +91,12 @@ class MoEAuxLoss:
     ``moe_aux_loss_coeff`` of that shared object.
     """
 
-    def __init__(self, model: list, model_config: ModelConfig, layout: ParallelLayout, device: torch.device):
+    def __init__(self, model: list, model_config: ModelConfig, layout: ParallelLayout, groups: ProcessGroups,
+                 device: torch.device):
         self.coeff = model_config.moe_aux_loss_coeff
         self.num_layers = model_config.num_hidden_layers
         self.moe_layers = sum(moe_layer_pattern(model_config))
-        self.layout, self.device = layout, device
+        self.layout, self.groups, self.device = layout, groups, device
         self.routers = [m for chunk in model for m in chunk.modules() if isinstance(m, TopKRouter)]
         for router in self.routers:
             router.calculate_per_token_loss = False
@@ -130,9 +130,9 @@ class MoEAuxLoss:
         if tracked is not None:
             values += tracked["values"].to(values)
         clear_aux_losses_tracker()
-        dist.all_reduce(values, group=mpu.get_pipeline_model_parallel_group())  # layers live on their stage
-        dist.all_reduce(values, group=mpu.get_tensor_model_parallel_group())  # each TP rank holds its share
-        dist.all_reduce(values, group=mpu.get_data_parallel_group())
+        dist.all_reduce(values, group=self.groups.pp)  # layers live on their stage
+        dist.all_reduce(values, group=self.groups.tp)  # each TP rank holds its share
+        dist.all_reduce(values, group=self.groups.dp)
         return float(values.sum()) / (self.moe_layers * num_micro_batches * self.layout.dp)
 
 
@@ -146,16 +146,17 @@ class Pass:
     moe_aux_loss: float | None = None  # training passes of MoE models (MoEAuxLoss.value)
 
 
-class Schedule:
+class ForwardBackward:
     """Runs a rank's rollouts through Megatron's pipeline schedule: forward only (values) or forward and
     backward with gradient reduction (a training mini-batch, loss weights given)."""
 
     def __init__(self, model: list, policy: MicroBatchPolicy, layout: ParallelLayout, ranks: Ranks,
-                 model_config: ModelConfig, cliprange_value: float, timers: StepTimers | None = None):
-        self.model, self.policy, self.layout, self.ranks = model, policy, layout, ranks
+                 groups: ProcessGroups, model_config: ModelConfig, cliprange_value: float,
+                 timers: StepTimers | None = None):
+        self.model, self.policy, self.layout, self.ranks, self.groups = model, policy, layout, ranks, groups
         self.cliprange_value = cliprange_value
         self.timers = timers or StepTimers(None, 0)
-        self.moe = MoEAuxLoss(model, model_config, layout, ranks.device)
+        self.moe = MoEAuxLoss(model, model_config, layout, groups, ranks.device)
 
     def run(self, local: Rollouts, weights: torch.Tensor | None = None, mini_batch_tokens: int = 0) -> Pass:
         """Forward only without ``weights``; else forward and backward of the weighted value loss, the
@@ -163,7 +164,7 @@ class Schedule:
         for the MoE loss's normalisation)."""
         forward_only = weights is None
         start = time.perf_counter()
-        parts = self.policy.plan(local.seq_lens, forward_only, partial(max_over_dp, layout=self.layout))
+        parts = self.policy.plan(local.seq_lens, forward_only, partial(max_over_dp, layout=self.layout, groups=self.groups))
         micro_batches = self.policy.build(local, parts, weights=weights, device=self.ranks.device,
                                           cp_rank=self.ranks.cp_rank)
         data_seconds = time.perf_counter() - start
