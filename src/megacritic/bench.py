@@ -43,7 +43,7 @@ import time
 import torch
 from tensordict import TensorDict
 
-from megacritic.flops import PEAK_FLOPS, forward_flops, machine_kind
+from megacritic.flops import PEAK_FLOPS, forward_flops, machine_kind, mfu
 
 # Qwen2.5 shapes (random weights): hidden, layers, heads, kv heads, FFN; vocab 151936, QKV bias.
 SHAPES = {
@@ -355,7 +355,7 @@ def summarise(shape_name: str, system: str, results: list[dict], peak: float, re
         medians = [statistics.median(r[key][0]) for r in ok]
         calls = [t for r in ok for t in r[key][0]]
         t = statistics.median(medians)
-        row.update(real_tokens_per_s=real / t, mfu=flops / t / peak, peak_mem_gib=max(r[key][1] for r in ok),
+        row.update(real_tokens_per_s=real / t, mfu=mfu(flops, t, 1, peak), peak_mem_gib=max(r[key][1] for r in ok),
                    seconds=t, seconds_min=min(calls), seconds_max=max(calls),
                    process_medians=medians, calls_per_process=len(ok[0][key][0]),
                    kernels=ok[0]["kernels"], switches=ok[0]["switches"], probes=[r["probe"] for r in ok])
