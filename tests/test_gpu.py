@@ -146,7 +146,7 @@ def _critic_run(extra, steps=1):
         batch = SyntheticRollouts(worker.config).batch(0)
         batch["values"] = values = worker.compute_values(batch)
         metrics = [worker.update_critic(batch) for _ in range(steps)]
-        return values, metrics, worker.compute_values(batch), attention_impl_of(worker.critic.model)
+        return values, metrics, worker.compute_values(batch), attention_impl_of(worker.model)
     finally:
         worker.close()
 
@@ -285,7 +285,7 @@ def test_offload_frees_device_memory_and_keeps_results(dtype, distributed):
         torch.cuda.reset_peak_memory_stats()
         after = worker.compute_values(batch)
         values_peak = torch.cuda.max_memory_allocated() - base
-        params = sum(p.numel() * p.element_size() for chunk in worker.critic.model for p in chunk.parameters())
+        params = sum(p.numel() * p.element_size() for chunk in worker.model for p in chunk.parameters())
         results[offload] = (values, metrics, after, resident, between, values_peak, params)
         print(f"{dtype}, offload={offload}: device memory held by the critic between calls "
               f"{resident / 2**20:.1f} MiB after init, {between / 2**20:.1f} MiB after compute_values; "
@@ -452,7 +452,7 @@ def test_grouped_experts_match_the_per_expert_loop():
         "model.dtype=bfloat16", "model.num_experts=8", "model.num_experts_per_tok=2",
         "model.moe_intermediate_size=128"])))
     worker.init_model()
-    experts = next(m for m in worker.critic.model[0].modules() if isinstance(m, GroupedExperts))
+    experts = next(m for m in worker.model[0].modules() if isinstance(m, GroupedExperts))
     assert experts.grouped
     torch.manual_seed(0)
     counts = torch.tensor([300, 0, 17, 1, 512, 64, 9, 123])
@@ -463,7 +463,7 @@ def test_grouped_experts_match_the_per_expert_loop():
     for grouped in (True, False):
         experts.grouped = grouped
         xg = x.clone().requires_grad_()
-        worker.critic.model[0].zero_grad_buffer()  # weight gradients land in Megatron's main_grad buffer
+        worker.model[0].zero_grad_buffer()  # weight gradients land in Megatron's main_grad buffer
         out, bias = experts(xg, counts, probs)
         out.backward(grad)
         assert bias is None

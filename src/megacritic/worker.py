@@ -174,6 +174,12 @@ class CriticWorker:
         """What the critic is doing (or was doing when a call failed), e.g. for a failed collective."""
         return self.critic.operation if self.critic is not None else "init_model"
 
+    @property
+    def model(self) -> list:
+        """This rank's model chunks (Megatron DDP modules, one per virtual pipeline stage), e.g. to name the
+        kernels they run (``megacritic.model.layers.attention_impl_of``)."""
+        return self._require_model().model
+
     def _require_model(self) -> MegatronPPOCritic:
         if self.critic is None:
             raise RuntimeError("call CriticWorker.init_model() first")
