@@ -184,11 +184,13 @@ class MegatronConfig:
     nccl_timeout: int = 600
     """Seconds a collective may wait before the job fails with an error instead of hanging (every process
     group, gloo included)."""
-    timing_level: int = 1
-    """Megatron's timers behind the timing_s/* metrics: 0 off; 1 the schedule (forward_backward),
-    gradient reduction (grad_reduce) and optimizer step (optimizer), a few device synchronisations per
-    step; 2 also forward / backward compute and pipeline transfer waits (pipeline_wait), synchronising
-    around every micro-batch."""
+    timing_level: int = 0
+    """Megatron's timers behind the timing_s/* metrics beyond step and data: 0 off (the default: no metric
+    timing_s/forward_backward, grad_reduce or optimizer); 1 the schedule (forward_backward), gradient
+    reduction (grad_reduce) and optimizer step (optimizer), each timer synchronising the device at its
+    start and stop (18 waits per step: 55 ms of waiting per 1.5B update_critic on an H200, bench/NOTES.md);
+    2 also forward / backward compute and pipeline transfer waits (pipeline_wait), synchronising around
+    every micro-batch."""
     recompute_granularity: Optional[str] = None
     """Megatron's activation recompute (verl's override_transformer_config.recompute_granularity): None (off),
     selective (recompute recompute_modules inside each layer in the backward pass) or full (recompute whole
