@@ -225,6 +225,47 @@ def test_cpu_optimizer_offload_trains_like_the_gpu_optimizer(fraction):
     assert held[True] < held[False]
 
 
+def test_bf16_adam_moments_take_the_same_first_step_in_half_the_state():
+    """optim.exp_avg_dtype / exp_avg_sq_dtype = bfloat16 on the GPU: torch's fused AdamW on float32 copies of
+    the moments. The first step (one per call here) equals the float32-moment critic's to the bit (the same
+    kernel on the same unrounded moments), the moments take 4 bytes per parameter instead of 8, and after two
+    more steps the values agree within bf16 rounding (the moments' rounding moves the float32 main weights by
+    far less than the bf16 weights' own rounding). Both runs on FlashAttention-2 (:data:`PINNED_KERNEL`)."""
+    from megacritic import CriticWorker, load_config
+    from megacritic.data.sources import SyntheticRollouts
+    from megacritic.optim import AdamWLowPrecisionMoments, torch_optimizers
+
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        worker = CriticWorker(load_config(_small_critic([
+            "model.dtype=bfloat16", "model.hidden_size=512", "model.intermediate_size=1024", PINNED_KERNEL,
+            "ppo_mini_batch_size=32", f"optim.exp_avg_dtype={dtype}", f"optim.exp_avg_sq_dtype={dtype}"])))
+        worker.init_model()
+        batch = SyntheticRollouts(worker.config).batch(0)
+        batch["values"] = worker.compute_values(batch)
+        first = worker.update_critic(batch)
+        after_one = worker.compute_values(batch)
+        for _ in range(2):
+            worker.update_critic(batch)
+        after_three = worker.compute_values(batch)
+        inner = torch_optimizers(worker.critic.optimizer)
+        moments = [t for opt in inner for st in opt.state.values() for k, t in st.items() if k != "step"]
+        assert all(t.is_cuda for t in moments)
+        numel = sum(p.numel() for chunk in worker.model for p in chunk.parameters())
+        runs[dtype] = (first, after_one, after_three, inner, sum(t.numel() * t.element_size() for t in moments),
+                       numel)
+        worker.close()
+        del worker
+    (f32, one32, three32, _, bytes32, n), (f16, one16, three16, inner, bytes16, _) = runs["float32"], runs["bfloat16"]
+    print("moments:", bytes32 / n, "->", bytes16 / n, "bytes per parameter; values after 3 steps rel",
+          _rel(three16, three32))
+    assert all(isinstance(opt, AdamWLowPrecisionMoments) for opt in inner)
+    assert f32["critic/vf_loss"] == f16["critic/vf_loss"] and f32["critic/grad_norm"] == f16["critic/grad_norm"]
+    assert torch.equal(one32, one16)
+    assert (bytes32, bytes16) == (8 * n, 4 * n)
+    assert _rel(three16, three32) < 1e-2
+
+
 def test_bf16_packed_and_padded_agree():
     """The packed layout against the padded one, both through FlashAttention-2 (padded: SDPA's flash kernel;
     packed: :data:`PINNED_KERNEL`): the same arithmetic on other shapes, within bf16 rounding."""

@@ -27,7 +27,7 @@ from megacritic.model.value_model import build_value_model, padded_vocab_size, t
 from megacritic.hf.checkpoint import weight_source
 from megacritic.model.weights import load_full_weights
 from megacritic.offload import PinnedOffload
-from megacritic.optim import torch_optimizers
+from megacritic.optim import MOMENT_DTYPES, torch_optimizers, use_moment_dtypes
 from megacritic.packing.micro_batches import MicroBatchPolicy
 from megacritic.parallel import ParallelLayout, Ranks, init_megatron, world_size
 from megacritic.schedule import Schedule, StepTimers
@@ -148,7 +148,9 @@ class CriticWorker:
             clip_grad=o.clip_grad if o.clip_grad > 0 else math.inf,
             bf16=dtype == torch.bfloat16, params_dtype=dtype,
             use_distributed_optimizer=mg.use_distributed_optimizer, timers=timers, **cpu_optimizer)), model)
-        if fused and not cpu_optimizer:  # the hybrid one fuses its own
+        if (o.exp_avg_dtype, o.exp_avg_sq_dtype) != ("float32", "float32"):  # opt-in: Adam moments stored in bf16
+            use_moment_dtypes(optimizer, MOMENT_DTYPES[o.exp_avg_dtype], MOMENT_DTYPES[o.exp_avg_sq_dtype], fused)
+        elif fused and not cpu_optimizer:  # the hybrid one fuses its own
             use_fused_adamw(optimizer)
         total, warmup = self._schedule_steps()
         scheduler = OptimizerParamScheduler(

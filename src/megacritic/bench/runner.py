@@ -73,7 +73,9 @@ def megacritic_kernels(worker) -> dict:
     chunks = worker.model
     config = chunks[0].config
     norms = {m.fused and m.weight.is_cuda for chunk in chunks for m in chunk.modules() if isinstance(m, RMSNorm)}
-    mg = worker.config.megatron
+    mg, o = worker.config.megatron, worker.config.optim
+    moments = "" if (o.exp_avg_dtype, o.exp_avg_sq_dtype) == ("float32", "float32") else (
+        f":moments-{o.exp_avg_dtype}-{o.exp_avg_sq_dtype}")
     return {"attention": attention_impl_of(chunks) if worker.config.model.use_remove_padding else "sdpa (padded)",
             "norm": "compiled" if norms == {True} else "eager",
             "swiglu": "megatron-fused" if config.bias_activation_fusion else "eager",
@@ -81,7 +83,8 @@ def megacritic_kernels(worker) -> dict:
                 f"{config.recompute_granularity}:{','.join(config.recompute_modules)}"
                 if config.recompute_granularity == "selective" else
                 f"full:{config.recompute_method}:{config.recompute_num_layers}"),
-            "optimizer": f"cpu-offload:{mg.optimizer_offload_fraction:g}" if mg.optimizer_cpu_offload else "gpu"}
+            "optimizer": (f"cpu-offload:{mg.optimizer_offload_fraction:g}" if mg.optimizer_cpu_offload
+                          else "gpu") + moments}
 
 
 def measure(shape_name: str, system: str, token_budget: int, args) -> dict:
@@ -148,10 +151,10 @@ def parser() -> argparse.ArgumentParser:
                    help="packed systems: ppo_max_token_len_per_gpu, for every shape (default 16384, and at 1.5B "
                         "also 32768, verl's default: an extra megacritic-packed row)")
     p.add_argument("--micro-batch", type=int, default=2, help="megacritic-padded: micro-batch size")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per phase (default 3; 7B: 2)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls per phase (default 3, or SHAPE_CALLS)")
     p.add_argument("--warmup", type=int, default=None,
                    help="megacritic systems: untimed compute_values + update_critic pairs before timing "
-                        "(default 3; 7B: 1)")
+                        "(default 3, or SHAPE_CALLS)")
     p.add_argument("--processes", type=int, default=3 if cuda else 1,
                    help="fresh processes for megacritic-packed at a shape's first token budget (the row reports "
                         "the median of their medians); 1 measures in this process")

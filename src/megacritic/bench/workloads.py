@@ -40,19 +40,22 @@ DEFAULT_TOKEN_BUDGET = 16384
 CPU_TOKEN_BUDGET = 512
 
 # Switches a shape needs to fit one H200 at a 16k token budget, and the systems it runs. 7B (7.07 G
-# parameters): 18 bytes per parameter of resident training state (127 GB) leave no room for activations in
-# 139 GiB, so half of the parameters' optimizer (float32 main weights and Adam moments) runs on the host:
-# 6 + 12 / 2 bytes per parameter stay on the GPU (79 GiB); the host holds ~18-24 bytes per offloaded
-# parameter (64-85 GB of the machine's 128 GiB; pinned buffers are rounded up), so the fraction cannot
-# be 1. Whole layers are recomputed in backward (only each layer's input is kept, ~3 GiB at 16k tokens):
-# with the MLPs alone recomputed (~26 GiB of activations predicted) the device's memory reached 138.5 of
-# 139 GiB in the warm-up (bench/NOTES.md). HF's bf16 AdamW with padded micro-batches is not run at 7B.
-SHAPE_SWITCHES = {"qwen2.5-7b": ["megatron.optimizer_cpu_offload=true", "megatron.optimizer_offload_fraction=0.5",
-                                 "megatron.recompute_granularity=full", "megatron.recompute_method=uniform",
-                                 "megatron.recompute_num_layers=1"]}
+# parameters) with the optimizer on the GPU: its default training state, 18 bytes per parameter (bf16
+# weights 2, float32 gradient buffer 4, float32 main weights 4, Adam moments 8), is 118.5 GiB of the
+# 139 GiB; with the Adam moments in bf16 (optim.exp_avg_dtype / exp_avg_sq_dtype) it is 14 bytes, 92.2 GiB.
+# Activations at 16k tokens per micro-batch, scaled from the 3B row (101.0 GiB peak = 51.8 GiB of state +
+# 49.2 GiB for 36 layers of hidden 2048) to 28 layers of hidden 3584: 67 GiB without recompute; recomputing
+# the MLPs drops their saved fc1 and SwiGLU outputs (6 x FFN bytes per token and layer, 48.6 GiB), leaving
+# 18.4 GiB, plus ~2.9 GiB to recompute one layer's MLP in backward: ~113.5 GiB predicted at the peak. Full
+# recompute (the fallback: --set megatron.recompute_granularity=full --set megatron.recompute_method=uniform
+# --set megatron.recompute_num_layers=1) would keep ~3.3 GiB of layer inputs. HF's bf16 AdamW with padded
+# micro-batches is not run at 7B.
+SHAPE_SWITCHES = {"qwen2.5-7b": ["optim.exp_avg_dtype=bfloat16", "optim.exp_avg_sq_dtype=bfloat16",
+                                 "megatron.recompute_granularity=selective", "megatron.recompute_modules=[mlp]"]}
 SHAPE_SYSTEMS = {"qwen2.5-7b": ("megacritic-packed",)}
-# Untimed warm-up pairs and timed calls where a call takes tens of seconds (the host steps the optimizer).
-SHAPE_CALLS = {"qwen2.5-7b": (1, 2)}
+# Untimed warm-up pairs and timed calls of a shape whose calls take tens of seconds (none since 7B's optimizer
+# runs on the GPU: every shape has the default 3 and 3).
+SHAPE_CALLS: dict[str, tuple[int, int]] = {}
 
 
 def widths(cuda: bool) -> tuple[int, int]:

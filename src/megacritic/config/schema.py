@@ -24,6 +24,7 @@ RECOMPUTE_METHODS = ("uniform", "block")
 SCHEDULE_UNITS = ("step", "call")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16")
+MOMENT_DTYPES = ("float32", "bfloat16")  # optim.exp_avg_dtype, optim.exp_avg_sq_dtype
 VALUE_HEAD_INITS = ("normal", "zeros", "from_checkpoint")
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
@@ -238,6 +239,16 @@ class OptimConfig:
     schedule_unit: str = "step"
     """What advances the LR schedule: step (every optimizer step; total_training_steps and lr_warmup_steps
     count optimizer steps) or call (every update_critic call, as verl's critic does; they count calls)."""
+    exp_avg_dtype: str = "float32"
+    """Dtype in which Adam's first moment is kept between steps (verl's optim.exp_avg_dtype): float32, or
+    bfloat16 (2 bytes per parameter less; opt-in, it changes the numerics). A step still computes in float32
+    and rounds the moment once when storing it (megacritic.optim.AdamWLowPrecisionMoments); the main
+    parameters stay float32. Both moments in bfloat16 take a bf16 critic under the distributed optimizer
+    from 18 to 14 bytes of training state per parameter (a 7B critic with its optimizer on one H200:
+    bench/NOTES.md)."""
+    exp_avg_sq_dtype: str = "float32"
+    """Dtype in which Adam's second moment is kept between steps (verl's optim.exp_avg_sq_dtype): float32 or
+    bfloat16, as exp_avg_dtype."""
 
 
 @dataclass
@@ -620,4 +631,10 @@ def validate(config: CriticConfig) -> None:
         fail("optim.betas", o.betas, "must be two numbers in [0, 1)")
     if o.clip_grad < 0:
         fail("optim.clip_grad", o.clip_grad, "must be non-negative (0 disables clipping)")
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(o, key) not in MOMENT_DTYPES:
+            fail(f"optim.{key}", getattr(o, key), f"choose one of {', '.join(MOMENT_DTYPES)}")
+        if getattr(o, key) != "float32" and mg.optimizer_cpu_offload:
+            fail(f"optim.{key}", getattr(o, key), "Megatron's CPU optimizer (megatron.optimizer_cpu_offload) keeps "
+                 "its Adam state in float32: set one of them back")
     _check_schedule(o)
