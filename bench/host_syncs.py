@@ -14,7 +14,8 @@ tensor. Counted (as CUDA would synchronise):
   ``.cpu()``, ``.numpy()``, and operations whose output size depends on its values (``nonzero``,
   ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``, indexing by a boolean tensor);
 * a blocking copy of a host tensor to the device (``.to(device)`` without ``non_blocking=True``: CUDA copies
-  from pageable memory and waits for it);
+  from pageable memory and waits for it; ``packing.micro_batches.to_device`` is counted as on a GPU, where
+  it copies from pinned memory without waiting);
 * ``torch.cuda.synchronize()`` in Megatron's modules (its timers at ``megatron.timing_level`` >= 1).
 
 Two kinds of site are the CPU's own and are counted apart: the per-rollout SDPA loop of
@@ -102,6 +103,8 @@ class WouldSync(TorchFunctionMode):
                 _mark(out)
                 return out
         if host_out:
+            if func in (torch.Tensor.cpu, torch.Tensor.numpy) and out is args[0]:
+                setattr(out, _MARK, False)  # on the CPU .cpu() returns the tensor itself; on a GPU, a host copy
             return out
         if device_in or _is_device_factory(kwargs):
             _mark(out)
@@ -131,6 +134,17 @@ def _mark_existing(batch) -> None:
             _mark(obj)
 
 
+def _gpu_copies():
+    """micro_batches.to_device copies with a blocking .to() on the CPU, and asynchronously from pinned
+    memory on a GPU: count what it does on a GPU."""
+    from megacritic import critic
+    from megacritic.packing import micro_batches
+
+    def to_device(x, device):
+        return x if device is None else x.to(device, non_blocking=True)
+    micro_batches.to_device = critic.to_device = to_device
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rollouts", type=int, default=32)
@@ -143,6 +157,7 @@ def main():
     batch = rollouts(args.rollouts, shape["vocab_size"], 1024, 8192)  # the GPU shapes' lengths
     config = load_config(megacritic_overrides(shape, batch, True, args.token_budget, micro_batch=1)
                          + ["model.dtype=bfloat16"] + extra)
+    _gpu_copies()
     worker = CriticWorker(config)
     worker.init_model()
     worker.compute_values(batch)
