@@ -3,15 +3,18 @@
 # machine's start): set up FlashAttention-4 and the wheels, then run PART, writing its files to OUT_DIR.
 #   bash bench/gpu_round.sh OUT_DIR PART COMMIT        (carry: .gpu .whl)
 # PART (estimated minutes after the setup, from the last rounds' per-process costs; each step is capped):
-#   tests      pytest -m gpu tests/test_gpu.py, then the 1.5B update profile with its host synchronisations  ~5
-#   small      bench 0.5B, every system (packed in 2 processes)                                               ~4
-#   mid        bench 1.5B (16,384 and 32,768) and 3B, megacritic-packed in 2 processes                        ~7
-#   big        bench 7B, megacritic-packed (bf16 Adam moments, MLP recompute), 1 process                       ~4
-#   baselines  bench 1.5B and 3B: HF + SDPA padded, megacritic-padded, megacritic-offload, 1 process each      ~8
-#   launch     bench/launch_probe.py: fixed-size packs, eager against CUDA-graphed layers, 0.5B and 1.5B      ~4
-# Parts combine with commas (e.g. small,big) while the estimates add up to less than 8 minutes. The parts'
-# results (OUT_DIR/part-*.json) merge on any machine, refusing parts of another commit or environment:
-#   python -m megacritic bench --merge part-small.json part-mid.json part-big.json part-baselines.json \
+#   tests      pytest -m gpu tests/test_gpu.py                                                          ~4
+#   profile    the 1.5B update profile with its host synchronisations (bench/profile_phase.py)          ~1.5
+#   big        bench 7B, megacritic-packed (bf16 Adam moments, MLP recompute), 1 process                 ~4.5
+#   small      bench 0.5B, every system (megacritic-packed in 2 processes)                              ~4
+#   mid        bench 1.5B (16,384 and 32,768) and 3B, megacritic-packed in 2 processes                  ~7
+#   baselines  bench 1.5B and 3B: HF + SDPA padded, megacritic-offload, megacritic-padded, 1 process each ~8
+#   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
+#   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
+# Parts run in this order and combine with commas (e.g. big,small); the command stops at BUDGET seconds
+# (480), and a bench part cut short keeps the systems it finished. The parts' results (OUT_DIR/part-*.json)
+# merge on any machine, refusing parts of another commit or environment:
+#   python -m megacritic bench --merge part-big.json part-small.json part-mid.json part-baselines.json \
 #       --out bench/results/nvidia-h200.json && python -m megacritic bench --markdown bench/results/nvidia-h200.json
 # COMMIT: the commit whose tree the device got (it has no git metadata), e.g. $(git rev-parse --short=12 HEAD)
 # of a clean checkout. OUT_DIR gets at most 8 files (what a device command brings back).
@@ -19,6 +22,7 @@ set -u
 OUT=${1:?OUT_DIR}
 PARTS=${2:?PART[,PART...]}
 COMMIT=${3:?COMMIT}
+shift 3  # what is left: the arguments of a bench=NAME part
 START=$(date +%s)
 BUDGET=${BUDGET:-480}  # seconds this command may take from its start (the device call: 600 s with the machine start)
 left() { local l=$(( BUDGET - ($(date +%s) - START) )); echo $(( l < ${1:-100000} ? l : ${1:-100000} )); }
@@ -49,10 +53,18 @@ if has tests; then
   timeout "$(left 330)" python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu.py -s >"$OUT/tests.log" 2>&1
   echo "exit $?"
   grep -aE "rel error|moments:|device memory|passed|failed|FAILED|SKIPPED|Error" "$OUT/tests.log" | tail -30 | cut -c1-250
+fi
+if has profile; then
   step "profile: 1.5B update_critic, host synchronisations"
   timeout "$(left 120)" python3 bench/profile_phase.py --shape qwen2.5-1.5b --phase update --calls 2 --sync-sites \
     >"$OUT/profile.log" 2>&1
   grep -aE "^call|Self CUDA time total|Self CPU time total|synchronisations|^ +[0-9]+  " "$OUT/profile.log" | head -20
+fi
+if has big; then
+  (while sleep 20; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done) >"$OUT/big.mem" &
+  MEMLOG=$!
+  bench big 330 --shapes qwen2.5-7b --processes 1
+  kill $MEMLOG; echo "device memory used, every 20 s: $(tr '\n' ' ' <"$OUT/big.mem")"
 fi
 if has small; then
   bench small 330 --shapes qwen2.5-0.5b --processes 2
@@ -60,15 +72,9 @@ fi
 if has mid; then
   bench mid 480 --shapes qwen2.5-1.5b,qwen2.5-3b --systems megacritic-packed --processes 2
 fi
-if has big; then
-  (while sleep 20; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done) >"$OUT/big.mem" &
-  MEMLOG=$!
-  bench big 420 --shapes qwen2.5-7b --processes 1
-  kill $MEMLOG; echo "device memory used, every 20 s: $(tr '\n' ' ' <"$OUT/big.mem")"
-fi
 if has baselines; then
-  bench baselines 500 --shapes qwen2.5-1.5b,qwen2.5-3b \
-    --systems hf-sdpa-padded,megacritic-padded,megacritic-offload
+  bench baselines 480 --shapes qwen2.5-1.5b,qwen2.5-3b \
+    --systems hf-sdpa-padded,megacritic-offload,megacritic-padded
 fi
 if has launch; then
   step "launch: fixed-size packs and CUDA graphs, 0.5B and 1.5B"
@@ -76,4 +82,9 @@ if has launch; then
     >"$OUT/launch.log" 2>&1
   echo "exit $?"; tail -12 "$OUT/launch.log" | cut -c1-220
 fi
+for part in ${PARTS//,/ }; do
+  if [[ $part == bench=* ]]; then
+    bench "${part#bench=}" 480 "$@"
+  fi
+done
 step done
