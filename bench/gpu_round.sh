@@ -1,69 +1,90 @@
 #!/usr/bin/env bash
-# One GPU round of the Hopper work (bench/NOTES.md "FlashAttention-4"): checks, then times, in one call.
-#   bash bench/gpu_round.sh OUT_DIR [STEPS]     STEPS: comma-separated of env,tests,spread,profile,probe,7b,fa2
-# Each step has its own time limit, so the round ends inside the device's 10-minute command limit; full
-# logs go to OUT_DIR, the tables to stdout. FlashAttention-4's compiled kernels are cached on disk
-# (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1), as a training job would keep them.
+# One part of a GPU round on the lent nvidia-h200 machine, inside one device command (< 9 minutes with the
+# machine's start): set up FlashAttention-4 and the wheels, then run PART, writing its files to OUT_DIR.
+#   bash bench/gpu_round.sh OUT_DIR PART COMMIT        (carry: .gpu .whl)
+# PART (estimated minutes after the setup, from the last rounds' per-process costs; each step is capped):
+#   tests      pytest -m gpu tests/test_gpu.py                                                          ~4
+#   profile    the 1.5B update profile with its host synchronisations (bench/profile_phase.py)          ~1.5
+#   big        bench 7B, megacritic-packed (bf16 Adam moments, MLP recompute), 1 process                 ~4.5
+#   small      bench 0.5B, every system (megacritic-packed in 2 processes)                              ~4
+#   mid        bench 1.5B (16,384 and 32,768) and 3B, megacritic-packed in 2 processes                  ~7
+#   baselines  bench 1.5B and 3B: HF + SDPA padded, megacritic-offload, megacritic-padded, 1 process each ~8
+#   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
+#   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
+# Parts run in this order and combine with commas (e.g. big,small); the command stops at BUDGET seconds
+# (480), and a bench part cut short keeps the systems it finished. The parts' results (OUT_DIR/part-*.json)
+# merge on any machine, refusing parts of another commit or environment:
+#   python -m megacritic bench --merge part-big.json part-small.json part-mid.json part-baselines.json \
+#       --out bench/results/nvidia-h200.json && python -m megacritic bench --markdown bench/results/nvidia-h200.json
+# COMMIT: the commit whose tree the device got (it has no git metadata), e.g. $(git rev-parse --short=12 HEAD)
+# of a clean checkout. OUT_DIR gets at most 8 files (what a device command brings back).
 set -u
 OUT=${1:?OUT_DIR}
-STEPS=${2:-env,tests,spread,profile,7b,probe}
-export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
-PY=python3
+PARTS=${2:?PART[,PART...]}
+COMMIT=${3:?COMMIT}
+shift 3  # what is left: the arguments of a bench=NAME part
 START=$(date +%s)
-left() { local l=$(( ${BUDGET:-570} - ($(date +%s) - START) )); echo $(( l < ${1:-1000} ? l : ${1:-1000} )); }
-has() { [[ ",$STEPS," == *",$1,"* ]]; }
-step() { echo "=== $1 ($(date -u +%T))"; }
+BUDGET=${BUDGET:-480}  # seconds this command may take from its start (the device call: 600 s with the machine start)
+left() { local l=$(( BUDGET - ($(date +%s) - START) )); echo $(( l < ${1:-100000} ? l : ${1:-100000} )); }
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
+step() { echo "=== $1 ($(date -u +%T), $(( $(date +%s) - START )) s)"; }
 
-if has env; then
-  step env
-  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu,driver_version --format=csv
-  $PY -c "import torch, flash_attn.cute as f; print('torch', torch.__version__, 'FA4 import ok', torch.cuda.get_device_capability())"
-  git rev-parse --short HEAD 2>&1 | head -1
+step setup
+export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+if [ ! -f /tmp/mcsite/.stamp ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/mcsite .whl/*.whl && touch /tmp/mcsite/.stamp
 fi
+eval "$(python3 .gpu/activate.py /tmp/fa4site)" || { echo "FA4 bundle did not unpack"; exit 3; }
+export PYTHONPATH=$PWD/src:/tmp/mcsite:$PYTHONPATH
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,driver_version --format=csv,noheader
+python3 -c "import torch, megatron.core, flash_attn.cute; print('torch', torch.__version__, 'megatron-core ok, FA4 ok', torch.cuda.get_device_capability())"
+
+bench() {  # bench NAME SECONDS ARGS...: one results part, its log's end, its table
+  local name=$1 limit; limit=$(left "$2"); shift 2
+  step "bench $name (limit ${limit} s)"
+  timeout "$limit" python3 -m megacritic bench --commit "$COMMIT" --out "$OUT/part-$name.json" "$@" \
+    >"$OUT/$name.log" 2>&1
+  echo "exit $?"; sed -n '/^commit /,$p' "$OUT/$name.log" | cut -c1-220
+  [ -f "$OUT/part-$name.json" ] || tail -5 "$OUT/$name.log" | cut -c1-300
+}
+
 if has tests; then
   step tests
-  timeout $(left 150) $PY -m pytest -q -rs -p no:cacheprovider tests/test_gpu.py -s \
-    -k "varlen or context or fa4 or recompute or cpu_optimizer" 2>&1 | tee "$OUT/tests.log" \
-    | grep -E "rel error|passed|failed|Error|error|assert|FAILED|SKIPPED|device memory|^\{" | tail -40
-fi
-if has spread; then
-  step "spread: 1.5B packed, 3 processes"
-  nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader
-  timeout $(left 170) $PY -m megacritic bench --shapes qwen2.5-1.5b --systems megacritic-packed --processes 3 \
-    --out "$OUT/spread.json" 2>"$OUT/spread.err" | tail -4
-  $PY - "$OUT/spread.json" <<'EOF'
-import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]:
-    if r.get("probes"):
-        print(r["phase"], "process medians", [round(m, 4) for m in r["process_medians"]],
-              "calls min/max", round(r["seconds_min"], 4), round(r["seconds_max"], 4))
-        for p in r["probes"]:
-            print("   ", {k: round(v, 2) if isinstance(v, float) else v for k, v in p.items()})
-EOF
-fi
-if has fa2; then
-  step "fa2: 1.5B packed, 1 process"
-  timeout $(left 90) $PY -m megacritic bench --shapes qwen2.5-1.5b --systems megacritic-packed --processes 1 \
-    --set model.attention_impl=fa2 --out "$OUT/fa2.json" 2>"$OUT/fa2.err" | tail -3
+  timeout "$(left 330)" python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu.py -s >"$OUT/tests.log" 2>&1
+  echo "exit $?"
+  grep -aE "rel error|moments:|device memory|passed|failed|FAILED|SKIPPED|Error" "$OUT/tests.log" | tail -30 | cut -c1-250
 fi
 if has profile; then
-  step "profile: 1.5B update_critic after FA4"
-  timeout $(left 80) $PY bench/profile_phase.py --shape qwen2.5-1.5b --phase update --calls 1 --sync-sites \
+  step "profile: 1.5B update_critic, host synchronisations"
+  timeout "$(left 120)" python3 bench/profile_phase.py --shape qwen2.5-1.5b --phase update --calls 2 --sync-sites \
     >"$OUT/profile.log" 2>&1
-  grep -E "^call|Self CUDA time total|Self CPU time total|synchronisations|^ +[0-9]+  " "$OUT/profile.log" | head -24
-  sed -n '/Name/,/Self CPU time total/p' "$OUT/profile.log" | head -26 | cut -c1-60,100-200
+  grep -aE "^call|Self CUDA time total|Self CPU time total|synchronisations|^ +[0-9]+  " "$OUT/profile.log" | head -20
 fi
-if has 7b; then
-  step "7b: packed, CPU optimizer + MLP recompute, 1 process"
-  (while sleep 20; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done) >"$OUT/7b.mem" &
+if has big; then
+  (while sleep 20; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done) >"$OUT/big.mem" &
   MEMLOG=$!
-  timeout $(( $(left) - 40 )) $PY -m megacritic bench --shapes qwen2.5-7b --processes 1 ${SEVENB_ARGS:-} \
-    --out "$OUT/7b.json" 2>"$OUT/7b.err" | tail -4
-  kill $MEMLOG; echo "device memory used, every 20 s: $(tr '\n' ' ' <"$OUT/7b.mem")"
-  tail -5 "$OUT/7b.err" | cut -c1-300
+  bench big 330 --shapes qwen2.5-7b --processes 1
+  kill $MEMLOG; echo "device memory used, every 20 s: $(tr '\n' ' ' <"$OUT/big.mem")"
 fi
-if has probe; then
-  step "probe: RMSNorm / SwiGLU"
-  timeout $(left 45) $PY bench/swiglu_norm_probe.py --shape qwen2.5-1.5b 2>&1 | tee "$OUT/probe.log" | grep -vi warn | tail -8
+if has small; then
+  bench small 330 --shapes qwen2.5-0.5b --processes 2
 fi
+if has mid; then
+  bench mid 480 --shapes qwen2.5-1.5b,qwen2.5-3b --systems megacritic-packed --processes 2
+fi
+if has baselines; then
+  bench baselines 480 --shapes qwen2.5-1.5b,qwen2.5-3b \
+    --systems hf-sdpa-padded,megacritic-offload,megacritic-padded
+fi
+if has launch; then
+  step "launch: fixed-size packs and CUDA graphs, 0.5B and 1.5B"
+  timeout "$(left 300)" python3 bench/launch_probe.py --shapes qwen2.5-0.5b,qwen2.5-1.5b --out "$OUT/launch.json" \
+    >"$OUT/launch.log" 2>&1
+  echo "exit $?"; tail -12 "$OUT/launch.log" | cut -c1-220
+fi
+for part in ${PARTS//,/ }; do
+  if [[ $part == bench=* ]]; then
+    bench "${part#bench=}" 480 "$@"
+  fi
+done
 step done

@@ -68,13 +68,13 @@ def test_integrity_checks_and_fallback(interrupted):
     root = tmp / "resumed" / "checkpoints"
     newest, older = root / "step_00000006", root / "step_00000003"
     verify_checkpoint(str(newest))
-    assert latest_checkpoint(str(root))[0] == str(newest)
+    assert latest_checkpoint(str(root))[0].folder == str(newest)
     assert (newest / "rng_rank00000.pt").exists()  # RNG states travel with the checkpoint
     assert "rng_rank00000.pt" in (newest / "MANIFEST.json").read_text()
 
     # an interrupted save (no manifest, .tmp- name) is never picked
     os.makedirs(root / ".tmp-step_00000009")
-    assert latest_checkpoint(str(root))[0] == str(newest)
+    assert latest_checkpoint(str(root))[0].folder == str(newest)
 
     # corrupt one byte of the newest: detected, and resume falls back to the older one
     victim = next(p for p in sorted(newest.iterdir()) if p.suffix == ".distcp")
@@ -83,8 +83,8 @@ def test_integrity_checks_and_fallback(interrupted):
     victim.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="checksum"):
         verify_checkpoint(str(newest))
-    folder, skipped = latest_checkpoint(str(root))
-    assert folder == str(older) and "checksum" in skipped[0]
+    found, skipped = latest_checkpoint(str(root))
+    assert found.folder == str(older) and "checksum" in skipped[0]
 
     # a truncated file is reported by size
     victim.write_bytes(bytes(data[:10]))

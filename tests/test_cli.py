@@ -223,7 +223,8 @@ def test_survivor_of_a_dead_or_hung_rank_exits_naming_the_operation(tmp_path, fa
 
 @pytest.mark.slow
 def test_profile_steps_write_a_chrome_trace(tmp_path):
-    proc, out = _train(["trainer.steps=2", "trainer.profile_steps=[2]", "trainer.tensorboard=false"], tmp_path)
+    proc, out = _train(["trainer.steps=2", "trainer.profile_steps=[2]", "trainer.tensorboard=false",
+                        "megatron.timing_level=1"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     traces = sorted((out / "profile").iterdir())
     assert [t.name for t in traces] == ["iteration_000002.rank0.json"]

@@ -27,6 +27,7 @@ from megacritic.data.rollouts import (
     to_tensordict,
 )
 from megacritic.losses import STAT_KEYS, stack_stats, step_metrics, token_weights
+from megacritic.packing.micro_batches import to_device
 from megacritic.packing.partition import reverse_index
 from megacritic.parallel import ParallelLayout, ProcessGroups, Ranks
 from megacritic.train_state import TrainState
@@ -89,7 +90,7 @@ class MegatronPPOCritic:
                                  device=self.ranks.device)
             if self.ranks.is_last_stage:
                 local = torch.cat([o["values"][: len(p)] for o, p in zip(run.outputs, run.parts)])
-                local = local[reverse_index(run.parts).to(local.device)]  # this rank's shard, in shard order
+                local = local[to_device(reverse_index(run.parts), local.device)]  # this rank's shard, in order
                 if self.layout.cp > 1:
                     # Each context-parallel rank filled the values at the positions it holds and zeros
                     # elsewhere: their sum is exact.
@@ -97,7 +98,7 @@ class MegatronPPOCritic:
                 if self.layout.dp > 1:
                     gathered = torch.empty_like(values)
                     dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.groups.dp)
-                    local = gathered[reverse_index(shards).to(gathered.device)]  # shards -> input order
+                    local = gathered[to_device(reverse_index(shards), gathered.device)]  # shards -> input order
                 values.copy_(local)
             self._broadcast_from_last_stage(values)
         return values.cpu()
@@ -161,7 +162,9 @@ class MegatronPPOCritic:
             lr = self._lr()
             # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
             # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
-            healthy = bool(torch.isfinite(sums[STAT_KEYS.index("loss")])) and self._grads_finite()
+            # One host read for the statistics and the check: each read waits for the GPU's queue to drain.
+            host = torch.cat([sums, self._nonfinite_grads().to(sums.dtype).reshape(1)]).cpu()
+            sums, healthy = host[:-1], bool(torch.isfinite(host[STAT_KEYS.index("loss")]) and host[-1] == 0)
             if healthy:
                 _, grad_norm, _ = self.state.optimizer.step()
                 if self.config.optim.schedule_unit == "step":
@@ -218,14 +221,15 @@ class MegatronPPOCritic:
         self._broadcast_from_last_stage(sums)
         return sums
 
-    def _grads_finite(self) -> bool:
+    def _nonfinite_grads(self) -> torch.Tensor:
+        """A device scalar, non-zero when some rank's gradient buffer holds a non-finite value."""
         bad = torch.zeros((), dtype=torch.float32, device=self.ranks.device)
         for chunk in self.state.model:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                 bad += (~torch.isfinite(buffer.grad_data)).any()
         if self.layout.world_size > 1:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bad.item() == 0
+        return bad
 
 
 def _is_batch(data) -> bool:

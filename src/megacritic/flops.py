@@ -1,5 +1,5 @@
-"""FLOPs of the real (unpadded) tokens and the device's peak: the MFU of ``megacritic train``'s perf/mfu and
-of ``megacritic bench``.
+"""FLOPs of the real (unpadded) tokens, the device's peak, and MFU (:func:`mfu`): the one definition behind
+``megacritic train``'s perf/mfu, the verl adapter's perf/mfu/critic and ``megacritic bench``.
 
 Counted as 2 per multiply-add of the matmuls plus causal attention (QK^T and PV over the tokens before each
 one); a backward pass counts twice a forward. Mixture-of-experts layers count the experts each token runs
@@ -29,6 +29,16 @@ def machine_kind() -> str:
 def peak_flops() -> float:
     """Dense bf16 peak FLOP/s of this device; NaN where unknown (CPU, an unlisted GPU)."""
     return PEAK_FLOPS.get(machine_kind(), float("nan"))
+
+
+def mfu(flops: float, seconds: float, world_size: int, peak: float | None = None) -> float:
+    """Model FLOPs utilisation: ``flops`` (all ranks' work together, e.g. 3 x forward FLOPs of a global batch's
+    real tokens for an update) done in ``seconds`` by ``world_size`` devices, over their summed dense bf16
+    peak. ``peak``: one device's FLOP/s (default this device's, :func:`peak_flops`); NaN where unknown."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: MFU needs at least one device")
+    peak = peak_flops() if peak is None else peak
+    return flops / max(seconds, 1e-12) / (peak * world_size)
 
 
 def forward_flops(shape: Mapping, seq_lens: list[int]) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.optim.adamw import adamw as adamw_functional
 
 
 def megatron_optimizers(optimizer) -> list:
@@ -16,3 +17,132 @@ def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     rank that holds no parameters of its kind) has none."""
     return [inner.optimizer for inner in megatron_optimizers(optimizer)
             if getattr(inner, "optimizer", None) is not None]
+
+
+MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class AdamWLowPrecisionMoments(torch.optim.AdamW):
+    """torch's AdamW whose two moments are stored in another dtype than the parameters (``exp_avg_dtype``,
+    ``exp_avg_sq_dtype``, e.g. bfloat16 beside float32 main parameters: 4 bytes of Adam state per parameter
+    instead of 8).
+
+    The arithmetic is torch's own (the functional ``torch.optim.adamw.adamw``: the fused CUDA kernel on a
+    GPU with ``use_fused``, else torch's default implementation) on float32 copies of the moments: each
+    step reads the stored moments into float32, updates them and the parameters there, and stores the
+    moments back, rounded once (to nearest even). So a step uses its own moments unrounded, and the only change from float32 moments is that
+    rounding between steps (tests/test_optim.py bounds its effect). torch's AdamW cannot do this itself: its
+    fused and foreach kernels need the moments in the parameters' dtype. The float32 copies are made
+    ``chunk_elements`` elements at a time (large tensors are split), so the step needs at most
+    8 x chunk_elements bytes beside the state. No amsgrad, no maximize.
+    """
+
+    def __init__(self, params, *, exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype,
+                 use_fused: bool = True, chunk_elements: int = 1 << 26, **adamw_kwargs):
+        super().__init__(params, **adamw_kwargs)
+        self.moment_dtypes = {"exp_avg": exp_avg_dtype, "exp_avg_sq": exp_avg_sq_dtype}
+        self.use_fused = use_fused  # the fused CUDA kernel for parameters on a GPU (else torch's default)
+        self.chunk_elements = chunk_elements
+
+    def init_state(self, param: torch.Tensor) -> None:
+        """The state of ``param`` before its first step (also Megatron's init_state_fn before a checkpoint
+        is loaded into it); a state loaded in other dtypes is converted."""
+        state = self.state[param]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)  # on the host: read without waiting for the device
+        for key, dtype in self.moment_dtypes.items():
+            if key not in state:
+                state[key] = torch.zeros_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+            elif state[key].dtype != dtype:
+                state[key] = state[key].to(dtype)
+        if state["step"].device.type != "cpu":
+            state["step"] = state["step"].cpu()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("AdamWLowPrecisionMoments supports neither amsgrad nor maximize")
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                self.init_state(p)
+                self.state[p]["step"] += 1
+            for pieces in self._chunks(params):
+                self._step_chunk(group, pieces)
+        return loss
+
+    def _chunks(self, params):
+        """Lists of flat pieces (param, grad, exp_avg, exp_avg_sq, step) of at most chunk_elements elements
+        in all (Adam is elementwise: a piece of a tensor steps as the whole would)."""
+        chunk, size = [], 0
+        for p in params:
+            state = self.state[p]
+            flat = [x.view(-1) for x in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+            start = 0
+            while start < p.numel():
+                take = min(p.numel() - start, self.chunk_elements - size)
+                chunk.append([x[start:start + take] for x in flat] + [state["step"]])
+                start, size = start + take, size + take
+                if size == self.chunk_elements:
+                    yield chunk
+                    chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    def _step_chunk(self, group, pieces) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = (list(x) for x in zip(*pieces))
+        work = []
+        for stored in (exp_avgs, exp_avg_sqs):
+            if stored[0].dtype == torch.float32:
+                work.append(stored)
+            else:
+                copies = [torch.empty_like(x, dtype=torch.float32) for x in stored]
+                torch._foreach_copy_(copies, stored)
+                work.append(copies)
+        fused = self.use_fused and params[0].is_cuda
+        # Each piece gets its own step count (the functional increments each one): the count before this
+        # step, on the parameters' device for the fused kernel.
+        counts = torch.tensor([float(s) - 1 for s in steps], dtype=torch.float32)
+        if fused:
+            counts = counts.pin_memory().to(params[0].device, non_blocking=True)
+        beta1, beta2 = group["betas"]
+        adamw_functional(params, grads, work[0], work[1], [], list(counts.unbind(0)),
+                         foreach=False if fused else None, fused=True if fused else None, amsgrad=False,
+                         beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                         eps=group["eps"], maximize=False)
+        for stored, copies in zip((exp_avgs, exp_avg_sqs), work):
+            if copies is not stored:
+                torch._foreach_copy_(stored, copies)
+
+
+def use_moment_dtypes(optimizer, exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype,
+                      use_fused: bool = True) -> None:
+    """Replace the torch AdamW inside each part of Megatron's ``optimizer`` (before its first step) with
+    :class:`AdamWLowPrecisionMoments` over the same parameter groups, and Megatron's init_state_fn (used
+    before a checkpoint loads) with one that creates the state in those dtypes (optim.exp_avg_dtype,
+    optim.exp_avg_sq_dtype)."""
+    for inner in megatron_optimizers(optimizer):
+        old = getattr(inner, "optimizer", None)
+        if old is None:
+            continue
+        if not isinstance(old, torch.optim.AdamW) or old.state:
+            raise RuntimeError(f"optimizer moments in {exp_avg_dtype} / {exp_avg_sq_dtype} replace an AdamW "
+                               f"before its first step; got {type(old).__name__} with {len(old.state)} states")
+        defaults = {k: old.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+        new = AdamWLowPrecisionMoments([torch.empty(0, requires_grad=True)], exp_avg_dtype=exp_avg_dtype,
+                                       exp_avg_sq_dtype=exp_avg_sq_dtype, use_fused=use_fused, **defaults)
+        # The same group dicts (the LR schedule writes them; the distributed optimizer indexes them), given
+        # as Megatron gives them: its shards of float32 parameters are views, which add_param_group refuses.
+        new.param_groups = old.param_groups
+        inner.optimizer = new
+        inner.init_state_fn = _init_state
+
+
+def _init_state(optimizer, config=None) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.init_state(p)

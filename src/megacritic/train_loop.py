@@ -29,7 +29,7 @@ from megacritic.config.load import complete
 from megacritic.config.schema import fail, positive
 from megacritic.data.rollouts import BatchError
 from megacritic.data.sources import rollout_source
-from megacritic.flops import model_forward_flops, peak_flops
+from megacritic.flops import mfu, model_forward_flops, peak_flops
 from megacritic.model.layers import attention_impl_of
 from megacritic.plots import plot_training_curves
 from megacritic.worker import CriticWorker
@@ -169,7 +169,8 @@ def _iteration(worker: CriticWorker, batch, config: CriticConfig) -> tuple[dict[
 
 def _batch_metrics(batch, update_time: float, config: CriticConfig, peak: float) -> dict[str, float]:
     """Per-iteration statistics of the values and returns (response tokens) and the update's MFU on the
-    real, unpadded tokens against the device's dense bf16 peak (NaN where the peak is unknown, e.g. CPU)."""
+    real, unpadded tokens against the dense bf16 peak of all the world's devices (NaN where the peak is
+    unknown, e.g. CPU)."""
     r = batch["responses"].shape[1]
     mask = batch["attention_mask"][:, -r:].bool()
     out = {}
@@ -178,7 +179,7 @@ def _batch_metrics(batch, update_time: float, config: CriticConfig, peak: float)
         out.update({f"critic/{key}/mean": x.mean().item(), f"critic/{key}/max": x.max().item(),
                     f"critic/{key}/min": x.min().item()})
     flops = 3 * model_forward_flops(config.model, batch["attention_mask"].sum(1).tolist())  # backward = 2x
-    out["perf/mfu"] = flops * config.ppo_epochs / update_time / peak
+    out["perf/mfu"] = mfu(flops * config.ppo_epochs, update_time, dist.get_world_size(), peak)
     return out
 
 

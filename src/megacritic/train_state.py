@@ -23,6 +23,7 @@ from megacritic.config import ConfigError, CriticConfig, is_moe
 from megacritic.hf.safetensors_reader import weight_source
 from megacritic.model.value_model import build_value_model, padded_vocab_size
 from megacritic.model.weights import load_full_weights
+from megacritic.optim import MOMENT_DTYPES, use_moment_dtypes
 from megacritic.parallel import ParallelLayout, Ranks
 
 
@@ -121,7 +122,9 @@ def build_optimizer(config: CriticConfig, model: list, dtype: torch.dtype, timer
         clip_grad=o.clip_grad if o.clip_grad > 0 else math.inf,
         bf16=dtype == torch.bfloat16, params_dtype=dtype,
         use_distributed_optimizer=mg.use_distributed_optimizer, timers=timers, **cpu_optimizer)), model)
-    if fused and not cpu_optimizer:  # the hybrid one fuses its own
+    if (o.exp_avg_dtype, o.exp_avg_sq_dtype) != ("float32", "float32"):  # opt-in: Adam moments stored in bf16
+        use_moment_dtypes(optimizer, MOMENT_DTYPES[o.exp_avg_dtype], MOMENT_DTYPES[o.exp_avg_sq_dtype], fused)
+    elif fused and not cpu_optimizer:  # the hybrid one fuses its own
         use_fused_adamw(optimizer)
     return optimizer
 

@@ -30,6 +30,7 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
 SCHEDULE_UNITS = ("step", "call")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16")
+MOMENT_DTYPES = ("float32", "bfloat16")  # optim.exp_avg_dtype, optim.exp_avg_sq_dtype
 VALUE_HEAD_INITS = ("normal", "zeros", "from_checkpoint")
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
@@ -190,11 +191,13 @@ class MegatronConfig:
     nccl_timeout: int = 600
     """Seconds a collective may wait before the job fails with an error instead of hanging (every process
     group, gloo included)."""
-    timing_level: int = 1
-    """Megatron's timers behind the timing_s/* metrics: 0 off; 1 the schedule (forward_backward),
-    gradient reduction (grad_reduce) and optimizer step (optimizer), a few device synchronisations per
-    step; 2 also forward / backward compute and pipeline transfer waits (pipeline_wait), synchronising
-    around every micro-batch."""
+    timing_level: int = 0
+    """Megatron's timers behind the timing_s/* metrics beyond step and data: 0 off (the default: no metric
+    timing_s/forward_backward, grad_reduce or optimizer); 1 the schedule (forward_backward), gradient
+    reduction (grad_reduce) and optimizer step (optimizer), each timer synchronising the device at its
+    start and stop (18 waits per step: 55 ms of waiting per 1.5B update_critic on an H200, bench/NOTES.md);
+    2 also forward / backward compute and pipeline transfer waits (pipeline_wait), synchronising around
+    every micro-batch."""
     recompute_granularity: Optional[str] = None
     """Megatron's activation recompute (verl's override_transformer_config.recompute_granularity): None (off),
     selective (recompute recompute_modules inside each layer in the backward pass) or full (recompute whole
@@ -242,6 +245,16 @@ class OptimConfig:
     schedule_unit: str = "step"
     """What advances the LR schedule: step (every optimizer step; total_training_steps and lr_warmup_steps
     count optimizer steps) or call (every update_critic call, as verl's critic does; they count calls)."""
+    exp_avg_dtype: str = "float32"
+    """Dtype in which Adam's first moment is kept between steps (verl's optim.exp_avg_dtype): float32, or
+    bfloat16 (2 bytes per parameter less; opt-in, it changes the numerics). A step still computes in float32
+    and rounds the moment once when storing it (megacritic.optim.AdamWLowPrecisionMoments); the main
+    parameters stay float32. Both moments in bfloat16 take a bf16 critic under the distributed optimizer
+    from 18 to 14 bytes of training state per parameter (a 7B critic with its optimizer on one H200:
+    bench/NOTES.md)."""
+    exp_avg_sq_dtype: str = "float32"
+    """Dtype in which Adam's second moment is kept between steps (verl's optim.exp_avg_sq_dtype): float32 or
+    bfloat16, as exp_avg_dtype."""
 
 
 @dataclass
@@ -637,4 +650,10 @@ def validate(config: CriticConfig) -> None:
         fail("optim.betas", o.betas, "must be two numbers in [0, 1)")
     if o.clip_grad < 0:
         fail("optim.clip_grad", o.clip_grad, "must be non-negative (0 disables clipping)")
+    for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(o, key) not in MOMENT_DTYPES:
+            fail(f"optim.{key}", getattr(o, key), f"choose one of {', '.join(MOMENT_DTYPES)}")
+        if getattr(o, key) != "float32" and mg.optimizer_cpu_offload:
+            fail(f"optim.{key}", getattr(o, key), "Megatron's CPU optimizer (megatron.optimizer_cpu_offload) keeps "
+                 "its Adam state in float32: set one of them back")
     _check_lr_schedule(o)

@@ -477,11 +477,11 @@ def _build_class(overrides: tuple, api: str) -> type:
         def _mfu(self, batch, seconds: float, epochs: int) -> float:
             """Model FLOPs utilisation of an update on the real tokens (verl's perf/mfu/critic), against the
             device's dense bf16 peak over all ranks; NaN where the peak is unknown (CPU)."""
-            from megacritic.flops import model_forward_flops, peak_flops
+            from megacritic.flops import mfu, model_forward_flops
             critic = self._require()
             rollouts = rollouts_from_batch(batch, need_targets=False)
             flops = 3 * model_forward_flops(critic.config.model, rollouts.seq_lens.tolist()) * epochs  # backward 2x
-            return flops / max(seconds, 1e-12) / (peak_flops() * critic.layout.world_size)
+            return mfu(flops, seconds, critic.layout.world_size)
 
         def _update(self, batch) -> tuple[dict[str, list[float]], float]:
             critic = self._require()

@@ -40,6 +40,18 @@ from megacritic.packing.pack import ContextParallelPack, Pack, pack_length, pack
 from megacritic.packing.partition import fixed_partitions, token_budget_partitions
 
 
+def to_device(x: Tensor, device) -> Tensor:
+    """A host tensor on ``device`` (None: where it is) without making the host wait for the GPU: a copy
+    from pageable memory blocks until the device's queue has drained (bench/NOTES.md: 10 such waits per
+    micro-batch), so on a GPU the tensor goes through pinned memory (the caching host allocator's, which keeps
+    the buffer until the copy has run) with an asynchronous copy."""
+    if device is None:
+        return x
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 @dataclass
 class MicroBatch:
     input_ids: Tensor         # [b, s] padded, or [1, t] packed (this rank's t / CP with context parallelism)
@@ -123,7 +135,7 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
         position_ids = torch.arange(total) - torch.repeat_interleave(cu[:-1], seq_lens)
         value_index = starts[:-1, None] + value_pos
         max_len = int(seq_lens.max())
-        cu32 = cu.to(torch.int32).to(device)
+        cu32 = to_device(cu.to(torch.int32), device)
         pack = dict(qkv_format="sbhd", cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=max_len,
                     max_seqlen_kv=max_len)
         if cp_size > 1:
@@ -133,12 +145,12 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
             ids, position_ids, padding = ids[take], position_ids[take], padding[take]
             owned = local[value_index] >= 0
             value_index = local[value_index].clamp(min=0)
-            packed_params = ContextParallelPack(**pack, **{k: v.to(device) if torch.is_tensor(v) else v
+            packed_params = ContextParallelPack(**pack, **{k: to_device(v, device) if torch.is_tensor(v) else v
                                                           for k, v in attention.items()})
         else:
             packed_params = Pack(**pack)
         ids, padding = ids[None], padding[None]
-        position_ids = position_ids[None].to(device) if device is not None else position_ids[None]
+        position_ids = to_device(position_ids[None], device)
     else:
         s = round_up(longest, seq_multiple)
         if pad_to is not None:
@@ -164,9 +176,8 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
             continue
         if extra:
             x = torch.cat([x, x.new_zeros(extra, *x.shape[1:])])
-        fields[key] = x.to(device) if device is not None else x
-    if device is not None:
-        ids, padding = ids.to(device), padding.to(device)
+        fields[key] = to_device(x, device)
+    ids, padding = to_device(ids, device), to_device(padding, device)
     return MicroBatch(input_ids=ids, packed=packed_params, position_ids=position_ids, rows=len(rows),
                       padding_mask=padding, tokens=int(lens.sum()), **fields)
 
