@@ -248,7 +248,7 @@ def test_bf16_adam_moments_take_the_same_first_step_in_half_the_state():
         for _ in range(2):
             worker.update_critic(batch)
         after_three = worker.compute_values(batch)
-        inner = torch_optimizers(worker.critic.optimizer)
+        inner = torch_optimizers(worker.state.optimizer)
         moments = [t for opt in inner for st in opt.state.values() for k, t in st.items() if k != "step"]
         assert all(t.is_cuda for t in moments)
         numel = sum(p.numel() for chunk in worker.state.model for p in chunk.parameters())

@@ -104,7 +104,9 @@ def measure(shape_name: str, system: str, token_budget: int, args) -> dict:
         else:
             result = run_megacritic(shape, batch, system != "megacritic-padded", budget, args.micro_batch, repeats,
                                     system_switches(shape_name, system, args.set), warmup)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
+        # where it ran out (the allocation asked for, what was held) tells which setting to change
+        print(f"{shape_name} {system}: {str(exc).splitlines()[0][:400]}", file=sys.stderr)
         reset_memory()
         return {"error": "out of memory"}
     result["probe"] = probe_host()
