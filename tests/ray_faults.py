@@ -34,9 +34,10 @@ def input_key(batch) -> str:
 
 
 def fault(name, rank, operation, batch, where="start", action="wait", every_time=False) -> dict:
+    """``batch`` None: any call of ``operation`` (one without a batch, such as save_checkpoint)."""
     assert where in WHERE and action in ACTIONS
-    return {"name": name, "rank": rank, "operation": operation, "input": input_key(batch), "where": where,
-            "action": action, "every_time": every_time}
+    return {"name": name, "rank": rank, "operation": operation, "input": None if batch is None else input_key(batch),
+            "where": where, "action": action, "every_time": every_time}
 
 
 def write_plan(path: Path, faults: list[dict]) -> None:
@@ -57,8 +58,9 @@ class FaultyRankActor(_RankActor):
     def call(self, operation, *args):
         batch = args[0] if args and hasattr(args[0], "keys") and "input_ids" in args[0].keys() else None
         plan = json.loads(Path(self.PLAN).read_text()) if Path(self.PLAN).exists() else []
-        armed = [f for f in plan if f["rank"] == self.rank and f["operation"] == operation and batch is not None
-                 and f["input"] == input_key(batch) and (f["every_time"] or not self._fired(f))]
+        armed = [f for f in plan if f["rank"] == self.rank and f["operation"] == operation
+                 and (f["input"] is None or batch is not None and f["input"] == input_key(batch))
+                 and (f["every_time"] or not self._fired(f))]
         undo = [self._arm(f, operation) for f in armed]
         try:
             return super().call(operation, *args)

@@ -477,6 +477,13 @@ def recovered(plan, uninterrupted):
                 with pytest.raises(CriticGroupError) as err:
                     group.update_critic(last)
                 run.update(budget_error=err.value, die_fired=ray_faults.fired(plan, "die"), gone=_wait_all_gone())
+            else:  # a snapshot that fails (out of memory on rank 1, each time): the group goes on without them
+                last = _batch(config, 3, torch.zeros(24, 15))
+                ray_faults.write_plan(plan, [ray_faults.fault("snapshot", 1, "save_checkpoint", None, action="oom",
+                                                              every_time=True)])
+                run["after_failed_snapshot"] = [group.update_critic(last), group.update_critic(last)]
+                run.update(snapshot_fired=ray_faults.fired(plan, "snapshot"),
+                           snapshot_recoveries=group.recoveries[len(run["recoveries"]):])
         finally:
             group.shutdown()
         for r in run["recoveries"]:
@@ -542,6 +549,17 @@ def test_failure_the_same_input_would_repeat_is_raised_once(uninterrupted):
     assert (pp2["error"].rank, pp2["error"].failures[0].kind) == (1, "error")
     assert isinstance(pp2["error"].__cause__, torch.OutOfMemoryError)
     assert dp2["gone"] == pp2["gone"] == ([], [])
+
+
+def test_failed_snapshot_does_not_end_the_group(recovered):
+    pp2 = recovered["pp2"]
+    assert pp2["snapshot_fired"] == 1  # the snapshot before the 1st update failed; none was tried again
+    (recovery,) = pp2["snapshot_recoveries"]  # rank 0 was left in the snapshot's barrier: one restart
+    assert [(f.rank, f.kind, f.operation) for f in recovery.failures] == [(1, "error", "save_checkpoint")]
+    assert recovery.snapshot.endswith("step_00000002") and recovery.replayed == 1  # the last good one
+    first, second = pp2["after_failed_snapshot"]
+    assert len(first["critic/vf_loss"]) == len(second["critic/vf_loss"]) == 3
+    assert first["critic/restarts"][0] == 3.0 and second["critic/recovery_s"] == [0.0] * 3
 
 
 def test_spent_restart_budget_lists_every_failure(recovered):

@@ -116,11 +116,13 @@ class Recovery:
 
 
 class _Fault(Exception):
-    """Raised inside the group when ranks failed; carries their failures to the recovery."""
+    """Raised inside the group when ranks failed; carries their failures, and the calls they failed in, to the
+    recovery."""
 
-    def __init__(self, failures: list[RankFailure]):
+    def __init__(self, failures: list[RankFailure], calls: list | None = None):
         super().__init__("; ".join(map(str, failures)))
         self.failures = failures
+        self.calls = calls or []
 
 
 @dataclass
@@ -183,9 +185,16 @@ def _device_env(gpu_ids: list[str]) -> dict[str, str]:
 
 
 def _host_memory_dir() -> str:
-    """A folder in host memory on this node: /dev/shm (tmpfs), or the temp folder where there is none."""
+    """A folder in host memory on this node: /dev/shm (tmpfs), or the temp folder where there is none or where
+    it is too small to hold a critic's state (containers often get 64 MB: not a quarter of the memory, which a
+    default tmpfs has)."""
     shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    try:
+        stat, memory = os.statvfs(shm), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        big_enough = stat.f_frsize * stat.f_blocks >= memory / 4
+    except (OSError, ValueError):
+        return tempfile.gettempdir()
+    return shm if big_enough and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
 def _remove_folder(path: str) -> None:
@@ -364,6 +373,7 @@ class CriticGroup:
         self._snapshot_node: str | None = None
         self._snapshots_taken = 0
         self._updates_since_snapshot = 0
+        self._snapshots_off: str | None = None  # why snapshots stopped (one failed)
         # recovery: failures and restarts since the last call that succeeded; all restarts
         self._failures: list[RankFailure] = []
         self._restarts_for_call = 0
@@ -519,7 +529,8 @@ class CriticGroup:
         """update_critic without waiting (preceded, every ``snapshot_every`` updates, by a snapshot)."""
         ref = self._put(batch, need_targets=True)
         self._check_alive()
-        if self._snapshot_root is not None and self._updates_since_snapshot >= self.snapshot_every:
+        if (self._snapshot_root is not None and self._snapshots_off is None
+                and self._updates_since_snapshot >= self.snapshot_every):
             self._snapshots_taken += 1
             step = self._snapshots_taken
             self._send(_Call("save_checkpoint", (self._snapshot_root, step, {"snapshot": step}), kind="snapshot"))
@@ -622,12 +633,15 @@ class CriticGroup:
             try:
                 self._poll(deadline)
             except _Fault as fault:
-                self._recover(fault.failures)
+                self._recover(fault.failures, fault.calls)
         return call.answers[0]
 
     def _poll(self, deadline: float | None) -> None:
         """Receive what the ranks have answered (waiting up to ``deadline`` for one answer); raises _Fault for
         failed or hung ranks, TimeoutError at ``deadline``."""
+        self._promote()
+        if not self._inflight:
+            return
         head = self._inflight[0]
         hung_at = head.started + self.call_timeout_s
         until = hung_at if deadline is None else min(hung_at, deadline)
@@ -645,24 +659,28 @@ class CriticGroup:
         others = [r for r in refs if r not in ready]
         if others:
             ready += ray.wait(others, num_returns=len(others), timeout=0)[0]
-        failures = []
+        failures, failed = [], []
         for ref in ready:
-            self._receive(ref, failures)
+            failed.append(self._receive(ref, failures))
         if failures:
             # The other ranks' answers, for a short while: the rank that died comes before its peers'
             # "connection closed", and a failure on every rank (a bad batch) is seen as such.
             rest = list(self._refs)
             for ref in ray.wait(rest, num_returns=len(rest), timeout=_GRACE_S)[0] if rest else []:
-                self._receive(ref, failures)
-        # Calls every rank has answered are done, even when a later one failed (a snapshot, say).
+                failed.append(self._receive(ref, failures))
+        self._promote()  # (calls every rank answered are done, even when a later one failed: a snapshot, say)
+        if failures:
+            raise _Fault(failures, [c for c in dict.fromkeys(failed) if c is not None])
+
+    def _promote(self) -> None:
+        """Finish the calls at the head of the queue that every rank has answered."""
         while self._inflight and len(self._inflight[0].answers) == len(self._actors):
             self._finish(self._inflight.pop(0))
             if self._inflight:
                 self._inflight[0].started = time.monotonic()
-        if failures:
-            raise _Fault(failures)
 
-    def _receive(self, ref, failures: list[RankFailure]) -> None:
+    def _receive(self, ref, failures: list[RankFailure]) -> _Call | None:
+        """Record a rank's answer, or append its failure to ``failures`` and return the call it failed in."""
         call, rank = self._refs.pop(ref)
         try:
             answer = ray.get(ref)
@@ -670,16 +688,17 @@ class CriticGroup:
             cause = e.cause if isinstance(e.cause, BaseException) else e
             failures.append(self._failure(rank, call, "collective" if _retried(cause) else "error",
                                           f"{type(cause).__name__}: {cause}", str(e), cause))
-            return
+            return call
         except ray.exceptions.RayError as e:  # the actor or its node died (or its object was lost with it)
             failures.append(self._failure(rank, call, "died", f"{type(e).__name__}: {e}", str(e), e))
-            return
+            return call
         if isinstance(answer, _Failure):
             operation = call.operation + (f" ({answer.step})" if answer.step != "idle" else "")
             failures.append(self._failure(rank, call, "collective" if answer.retried else "error", answer.error,
                                           answer.traceback, answer.exception, operation))
-        else:
-            call.answers[rank] = answer
+            return call
+        call.answers[rank] = answer
+        return None
 
     def _failure(self, rank, call, kind, cause, detail="", exception=None, operation=None) -> RankFailure:
         node = self.placements[rank].node_ip if rank < len(self.placements) else "?"
@@ -720,7 +739,7 @@ class CriticGroup:
 
     # ---------------------------------------------------------------- recovery
 
-    def _recover(self, failures: list[RankFailure]) -> None:
+    def _recover(self, failures: list[RankFailure], calls: list[_Call]) -> None:
         """Restart the group and restore its state before the calls in flight, then send them again; or tear
         it down and raise CriticGroupError when the failure would recur or the budget is spent."""
         seen: list[RankFailure] = []
@@ -728,7 +747,10 @@ class CriticGroup:
             seen += failures
             self._failures += failures
             if not _worth_a_restart(failures):
-                self._fail(self._failures, "not retried: the same call would fail the same way")
+                if not (calls and all(c.kind == "snapshot" for c in calls)):
+                    self._fail(self._failures, "not retried: the same call would fail the same way")
+                if not self._stop_snapshots(failures, calls):
+                    return  # every rank answered: nothing to restart
             if self._restarts_for_call >= self.max_restarts:
                 self._fail(self._failures, "recovery is off (max_restarts=0)" if self.max_restarts == 0 else
                            f"restart budget spent: max_restarts={self.max_restarts} restarts for one call")
@@ -737,7 +759,7 @@ class CriticGroup:
             try:
                 replayed, restore_s = self._restart()
             except _Fault as again:
-                failures = again.failures
+                failures, calls = again.failures, again.calls
                 continue
             except BaseException as e:  # no placement for new ranks, the snapshot lost with its node, ...
                 self._fail(self._failures, f"the restart failed: {type(e).__name__}: {e}", e)
@@ -749,6 +771,21 @@ class CriticGroup:
                         "%.1f s (restore %.1f s)", self.name, recovery.restart, "; ".join(map(str, seen)),
                         self._snapshot or "init_model", replayed, seconds, restore_s)
             return
+
+    def _stop_snapshots(self, failures: list[RankFailure], calls: list[_Call]) -> bool:
+        """A snapshot failed in a way it would again (a full disk, say): the group goes on without snapshots
+        (a restart then replays everything since the last one) rather than end. Returns whether ranks were
+        left waiting in the snapshot's collectives (a restart is then needed to free them)."""
+        self._snapshots_off = "; ".join(map(str, failures))
+        log.warning("%s: a snapshot failed (%s); no more snapshots: a restart will replay every state-changing "
+                    "call since %s", self.name, self._snapshots_off, self._snapshot or "init_model")
+        stuck = any(owner[0] in calls for owner in self._refs.values())
+        self._inflight = [c for c in self._inflight if c not in calls]
+        self._refs = {ref: owner for ref, owner in self._refs.items() if owner[0] not in calls}
+        if self._inflight:
+            self._inflight[0].started = time.monotonic()
+        self._promote()
+        return stuck
 
     def _restart(self) -> tuple[int, float]:
         """New actors in a fresh placement, the state restored (the snapshot, then the calls since replayed),
