@@ -80,8 +80,8 @@ def _run(config, batches, group_options, kill_after_s=None) -> dict:
                     os.kill(group.placements[0].pid, signal.SIGKILL)
             out["metrics"].append(future.get())
             t[f"update_critic {i + 1}"] = time.perf_counter() - start
-            print(f"  {'killed' if kill_after_s is not None else 'uninterrupted'} run: {t}", file=sys.stderr,
-                  flush=True)
+            print(f"  {'killed' if kill_after_s is not None else 'uninterrupted'} run, iteration {i + 1}: "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in t.items()), file=sys.stderr, flush=True)
             if i == 1:
                 t["update_critic 2 after its snapshot"] = time.perf_counter() - update_start
         start = time.perf_counter()
