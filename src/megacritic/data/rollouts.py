@@ -155,10 +155,14 @@ def _unpadded_tensors(td: TensorDict) -> dict[str, Tensor]:
     return out
 
 
-def check_batch(data, need_targets: bool, vocab_size: int | None, max_positions: int | None) -> Rollouts:
+def check_batch(data, need_targets: bool, vocab_size: int | None, max_positions: int | None,
+                mini_batch_size: int | None = None) -> Rollouts:
     """Every check of a batch that needs no collective (what a driver can refuse before sending it anywhere):
-    :func:`rollouts_from_batch`, then the model's position limit."""
+    :func:`rollouts_from_batch`, the model's position limit, and with ``mini_batch_size`` that the batch splits
+    into whole mini-batches."""
     rollouts = rollouts_from_batch(data, need_targets, vocab_size=vocab_size)
+    if mini_batch_size is not None:
+        check_mini_batches(len(rollouts), mini_batch_size)
     too_long = rollouts.seq_lens > max_positions if max_positions is not None else None
     if too_long is not None and too_long.any():
         raise BatchError(f"attention_mask: rollouts {_rows(too_long)} have {int(rollouts.seq_lens.max())} real tokens, "
@@ -258,6 +262,11 @@ def nested_token_values(values: Tensor, rollouts: Rollouts) -> Tensor:
     return torch.nested.nested_tensor_from_jagged(flat, offsets=offsets)
 
 
+def check_mini_batches(n: int, mini_batch_size: int) -> None:
+    if n % mini_batch_size:
+        raise BatchError(f"batch of {n} rollouts is not a multiple of ppo_mini_batch_size ({mini_batch_size})")
+
+
 def mini_batch_indices(n: int, mini_batch_size: int, epochs: int, shuffle: bool, seed: int | None,
                        call_index: int = 0) -> list[Tensor]:
     """Row indices of each mini-batch, epoch after epoch; a fresh seeded permutation per epoch.
@@ -265,8 +274,7 @@ def mini_batch_indices(n: int, mini_batch_size: int, epochs: int, shuffle: bool,
     ``call_index`` (the number of earlier update calls) varies the shuffle from one call to the next
     while keeping it reproducible.
     """
-    if n % mini_batch_size:
-        raise BatchError(f"batch of {n} rollouts is not a multiple of ppo_mini_batch_size ({mini_batch_size})")
+    check_mini_batches(n, mini_batch_size)
     out = []
     for epoch in range(epochs):
         order = seeded_permutation(n, seed, call_index=call_index, epoch=epoch) if shuffle else torch.arange(n)
