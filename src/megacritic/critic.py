@@ -169,19 +169,43 @@ class MegatronPPOCritic:
             lr = self._lr()
             # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
             # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
-            healthy = bool(torch.isfinite(sums[STAT_KEYS.index("loss")])) and self._grads_finite()
-            if healthy:
-                _, grad_norm, _ = self.optimizer.step()
-                if self.config.optim.schedule_unit == "step":
-                    self.scheduler.step(increment=1)
-            else:
-                # A non-finite loss or gradient would poison the weights: keep them, report the step.
-                self._zero_grad()
-                grad_norm = float("nan")
+            healthy, grad_norm = self.optimizer_step(bool(torch.isfinite(sums[STAT_KEYS.index("loss")])))
+            if healthy and self.config.optim.schedule_unit == "step":
+                self.scheduler.step(increment=1)
         return step_metrics(sums, grad_norm=grad_norm, lr=lr, skipped=not healthy, empty=False,
                             tokens=global_tokens, seconds=time.perf_counter() - start,
                             data_seconds=run.data_seconds, timers=self.schedule.timers.take(),
                             moe_aux_loss=run.moe_aux_loss)
+
+    def optimizer_step(self, loss_finite: bool = True) -> tuple[bool, float]:
+        """Apply the gradients in the model's buffers, unless the loss (``loss_finite``, the same on every
+        rank) or a gradient is not finite: then the weights are kept, the gradients dropped and the grad
+        norm is NaN. Returns (applied, grad norm before clipping). Collective."""
+        if loss_finite and self._grads_finite():
+            _, grad_norm, _ = self.optimizer.step()
+            return True, grad_norm
+        # A non-finite loss or gradient would poison the weights: keep them, report the step.
+        self._zero_grad()
+        return False, float("nan")
+
+    def forward_backward(self, local: Rollouts, loss, forward_only: bool, mini_batch_tokens: int = 0):
+        """This rank's rollouts ``local`` through the pipeline schedule with a trainer's own ``loss``
+        (:meth:`megacritic.schedule.Schedule.run`): forward only, or forward and backward with the gradients
+        reduced into the model's buffers (no optimizer step). Returns the schedule's pass."""
+        modes = [chunk.training for chunk in self.model]
+        for chunk in self.model:
+            chunk.train(not forward_only)
+        try:
+            with self._doing(f"{'forward' if forward_only else 'forward/backward'} of a trainer's batch "
+                             "(Megatron schedule)"):
+                return self.schedule.run(local, mini_batch_tokens=mini_batch_tokens, loss=loss,
+                                         forward_only=forward_only)
+        finally:
+            for chunk, mode in zip(self.model, modes):
+                chunk.train(mode)
+
+    def zero_grad(self) -> None:
+        self._zero_grad()
 
     def _zero_grad(self) -> None:
         for chunk in self.model:

@@ -95,20 +95,32 @@ class CriticWorker:
         self._on_host: set[str] = set()  # offload parts now in host memory
         self._host = {"params": PinnedOffload(), "optimizer": PinnedOffload()}
 
+    def setup_parallel(self) -> Ranks:
+        """Stage 1 of :meth:`init_model` alone: the distributed world and Megatron's parallel state (checked
+        before anything is built); this process' ranks. For a trainer that needs the ranks before the model
+        (verl's TrainingWorker plans its dispatch when the engine is created). Idempotent."""
+        if self.ranks is None:
+            cfg, mg = self.config, self.config.megatron
+            layout = ParallelLayout.from_config(mg, world_size())
+            layout.check_batch_sizes(cfg)
+            on_cpu = not torch.cuda.is_available()
+            cpu_optimizer_options(cfg, on_cpu=on_cpu)  # its checks, before anything is set up
+            # megacritic's departures from upstream megatron-core, all of them
+            compat.apply(on_cpu=on_cpu, fused=cfg.model.use_fused_kernels and not on_cpu)
+            initialised = init_megatron(layout, mg.seed, mg.nccl_timeout)
+            self._owns_process_group = initialised.owns_process_group
+            self._owns_parallel_state = initialised.owns_parallel_state
+            self.layout, self.ranks = layout, initialised.ranks
+        return self.ranks
+
     def init_model(self) -> None:
         cfg, mg = self.config, self.config.megatron
         # 1. Distributed world and Megatron's parallel state (checked before anything is built).
-        layout = ParallelLayout.from_config(mg, world_size())
-        layout.check_batch_sizes(cfg)
+        ranks = self.setup_parallel()
+        layout = self.layout
         on_cpu = not torch.cuda.is_available()
         fused = cfg.model.use_fused_kernels and not on_cpu
         cpu_optimizer = cpu_optimizer_options(cfg, on_cpu=on_cpu)
-        compat.apply(on_cpu=on_cpu, fused=fused)  # megacritic's departures from upstream megatron-core, all of them
-        initialised = init_megatron(layout, mg.seed, mg.nccl_timeout)
-        self._owns_process_group = initialised.owns_process_group
-        self._owns_parallel_state = initialised.owns_parallel_state
-        ranks = initialised.ranks
-        self.layout, self.ranks = layout, ranks
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             cfg.model.dtype, torch.float32 if on_cpu else torch.bfloat16)
 
@@ -187,6 +199,37 @@ class CriticWorker:
     def update_critic(self, data) -> dict[str, list[float]]:
         with self._onloaded(OFFLOAD_PARTS):
             return self._require_model().update_critic(data)
+
+    # ---------------------------------------------------------------- step-level calls
+    # For a trainer that runs the PPO loop itself and brings its own loss (verl's TrainingWorker through
+    # megacritic.integrations.verl.engine): one rank's micro-batches through the schedule, then the optimizer
+    # and LR schedule on the trainer's cue. Offload is the trainer's too (offload / onload).
+
+    def forward_backward(self, local, loss, forward_only: bool, mini_batch_tokens: int = 0):
+        """This rank's :class:`~megacritic.data.rollouts.Rollouts` ``local`` through Megatron's schedule with
+        ``loss`` (see :meth:`megacritic.schedule.Schedule.run`); gradients accumulate in the model's buffers.
+        ``mini_batch_tokens``: the real tokens of the whole mini-batch (MoE load-balancing loss)."""
+        return self._require_model().forward_backward(local, loss, forward_only, mini_batch_tokens)
+
+    def zero_grad(self) -> None:
+        self._require_model().zero_grad()
+
+    def optimizer_step(self, loss_finite: bool = True) -> tuple[bool, float]:
+        """(applied, grad norm): skipped, weights kept and NaN, when the loss or a gradient is not finite."""
+        return self._require_model().optimizer_step(loss_finite)
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule by one of its units; returns the learning rate now in effect."""
+        critic = self._require_model()
+        critic.scheduler.step(increment=1)
+        return float(critic.optimizer.param_groups[0]["lr"])
+
+    @property
+    def data_parallel_group(self):
+        """The torch process group of this rank's data-parallel peers (after :meth:`setup_parallel`)."""
+        if self.ranks is None:
+            raise RuntimeError("call CriticWorker.setup_parallel() or init_model() first")
+        return mpu.get_data_parallel_group()
 
     # ---------------------------------------------------------------- offload (megatron.*_offload)
 
@@ -284,10 +327,10 @@ class CriticWorker:
     def close(self) -> None:
         """Tear down Megatron's parallel state (unless it was a colocated model's, reused) and the process
         group if this worker created it."""
-        if self.critic is not None:
+        if self.ranks is not None:  # set up (setup_parallel), with or without a model built
             if self._owns_parallel_state:
                 mpu.destroy_model_parallel()
-            self.critic = None
+            self.critic, self.ranks = None, None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
