@@ -21,6 +21,7 @@ verl = pytest.importorskip("verl", reason="verl is not installed (make test-verl
 ray = pytest.importorskip("ray")
 
 from omegaconf import OmegaConf  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.single_controller.ray import (  # noqa: E402
     RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls)
@@ -28,6 +29,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.config import omega_conf_to_dataclass  # noqa: E402
 from verl.utils.metric import reduce_metrics  # noqa: E402
 from verl.utils.py_functional import rename_dict  # noqa: E402
+from verl.utils.transferqueue_utils import KVBatchMeta  # noqa: E402
 from verl.workers.config import TrainingWorkerConfig  # noqa: E402
 from verl.workers.engine_workers import TrainingWorker  # noqa: E402
 from verl.workers.utils.losses import value_loss  # noqa: E402
@@ -217,3 +219,47 @@ def test_training_worker_layouts_match_one_process(layout, tiny_model, single):
             assert_close(metrics[key], ref_metrics[key], rel, f"{key} of update {call}")
     assert_close(after, ref_after, 1e-3, "values after the updates")
     assert calls[-1][1]["critic/lr"] == pytest.approx(1e-3) and "perf/mfu/critic" in calls[-1][1]
+
+
+def test_v1_trainer_calls_through_transfer_queue(tiny_model, single):
+    """verl 0.9.1's V1 trainer (trainer_base.py _compute_values / _update_critic): the batch lives in
+    TransferQueue as nested per-rollout fields and travels to the workers as a KVBatchMeta."""
+    tq = pytest.importorskip("transfer_queue")
+    from verl.workers.utils.padding import response_from_nested, response_to_nested
+    config = trainer_config(tiny_model)
+    tq.init()
+    ref_calls, _ = single
+    with critic_group(config, world_size=2) as critic_wg:
+        for call in range(CALLS):
+            batch = verl_batch(seed=call).batch
+            mask = batch["attention_mask"].bool()
+            p = batch["prompts"].shape[1]
+            rows = [{"prompts": batch["prompts"][i][mask[i, :p]], "responses": batch["responses"][i][mask[i, p:]],
+                     "input_ids": batch["input_ids"][i][mask[i]], "position_ids": batch["position_ids"][i][mask[i]],
+                     "response_mask": batch["response_mask"][i][mask[i, p:]]} for i in range(BATCH)]
+            for row in rows:
+                row["loss_mask"] = row["response_mask"]
+            keys = [f"{call}_{i}" for i in range(BATCH)]
+            tags = [{"status": "success"} for _ in keys]
+            tq.kv_batch_put(keys=keys, partition_id="train", fields=tu.list_of_dict_to_tensordict(rows), tags=tags)
+            meta = KVBatchMeta(partition_id="train", keys=keys, tags=tags)
+            # _compute_values
+            meta.extra_info.update({"compute_loss": False, "temperature": 1.0})
+            ray.get(critic_wg.infer_batch(meta).futures)
+            data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["values", "response_mask"])
+            values = response_from_nested(data["values"], data["response_mask"])
+            returns = response_to_nested(batch["returns"], data["response_mask"])
+            tq.kv_batch_put(keys=keys, partition_id="train",
+                            fields=TensorDict({"values": values, "returns": returns}, batch_size=BATCH))
+            assert_close(values.to_padded_tensor(0.0, output_size=(BATCH, batch["responses"].shape[1])),
+                         ref_calls[call][0], 1e-5 if call == 0 else 1e-3, f"V1 values of call {call}")
+            # _update_critic
+            mini = config.critic.ppo_mini_batch_size * ROLLOUT_N
+            meta.extra_info.update({"global_batch_size": mini, "mini_batch_size": mini,
+                                    "epochs": config.critic.ppo_epochs, "seed": config.critic.data_loader_seed,
+                                    "dataloader_kwargs": {"shuffle": config.critic.shuffle}, "temperature": 1.0})
+            output = rename_dict(critic_wg.train_mini_batch(meta).get()["metrics"], "critic/")
+            output["perf/mfu/critic"] = output.pop("critic/mfu")
+            metrics = reduce_metrics(output)
+            for key in ("critic/vf_loss", "critic/grad_norm"):
+                assert_close(metrics[key], ref_calls[call][1][key], 1e-5 if call == 0 else 1e-3, f"V1 {key} {call}")
