@@ -90,7 +90,7 @@ def main():
             seconds = statistics.median(timed(call) for _ in range(args.repeats))
             results[name] = (tokens / seconds, peak_gib())
         if not dist.is_initialized() or dist.get_rank() == 0:
-            params = sum(p.numel() for chunk in worker.critic.model for p in chunk.parameters())
+            params = sum(p.numel() for chunk in worker.state.model for p in chunk.parameters())
             print(f"shape {s}, ep={args.ep}, {args.rollouts} rollouts, {tokens} real tokens, "
                   f"{params / 1e6:.0f}M parameters on rank 0")
             for name, (rate, peak) in results.items():

@@ -40,7 +40,7 @@ def main():
     worker = CriticWorker(config)
     worker.init_model()
     from megacritic.model.layers import attention_impl_of
-    print(f"attention kernel: {attention_impl_of(worker.critic.model)}")
+    print(f"attention kernel: {attention_impl_of(worker.state.model)}")
     call = (lambda: worker.update_critic(batch)) if args.phase == "update" else (lambda: worker.compute_values(batch))
     worker.compute_values(batch)  # one warm-up pair; the timed calls show how soon steady state comes
     worker.update_critic(batch)

@@ -21,7 +21,7 @@ import ray
 import torch
 
 from megacritic.bench import SHAPES, megacritic_overrides, rollouts, run_megacritic
-from megacritic.config import load_config
+from megacritic.config.load import load_config
 from megacritic.ray import CriticGroup
 
 

@@ -160,11 +160,11 @@ import sys
 import time
 
 from megacritic.cli import main
-from megacritic.schedule import Schedule
+from megacritic.forward_backward import ForwardBackward
 
 if __name__ == "__main__":
     if os.environ["RANK"] == "1":
-        original, calls = Schedule._forward_step, []
+        original, calls = ForwardBackward._forward_step, []
 
         def faulty(self, forward_only, *args):
             if not forward_only:
@@ -177,7 +177,7 @@ if __name__ == "__main__":
                     time.sleep(3600)
             return original(self, forward_only, *args)
 
-        Schedule._forward_step = faulty
+        ForwardBackward._forward_step = faulty
     sys.exit(main())
 '''
 
@@ -235,7 +235,8 @@ def test_profile_steps_write_a_chrome_trace(tmp_path):
 
 
 def test_mfu_counts_the_experts_a_token_runs_through():
-    from megacritic.config import TINY_MODEL_OVERRIDES, load_config
+    from megacritic.config import TINY_MODEL_OVERRIDES
+    from megacritic.config.load import load_config
     from megacritic.flops import active_shape, forward_flops, model_forward_flops
     dense = load_config([*TINY_MODEL_OVERRIDES, "model.num_hidden_layers=2"]).model
     assert active_shape(dense)["intermediate_size"] == dense.intermediate_size
@@ -273,7 +274,8 @@ def test_train_without_a_model_path_is_the_tiny_critic_with_the_fields_set():
 ])
 def test_the_jobs_own_settings_are_checked_by_the_cli(overrides, key):
     from megacritic.cli import train_config
-    from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, load_config
+    from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError
+    from megacritic.config.load import load_config
     with pytest.raises(ConfigError) as info:
         train_config(overrides)
     assert str(info.value).startswith(f"{key}="), str(info.value)

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from megacritic.config import (TINY_MODEL, TINY_MODEL_OVERRIDES, ConfigError, CriticConfig, load_config, tiny_model,
-                               validate)
+from megacritic.config import TINY_MODEL, TINY_MODEL_OVERRIDES, ConfigError, CriticConfig, tiny_model, validate
+from megacritic.config.load import load_config
 from megacritic.parallel import ParallelLayout
 
 TINY_BASE = {"model": dict(TINY_MODEL)}
@@ -301,10 +301,31 @@ def test_context_parallel_without_packing_names_the_fix():
 # ------------------------------------------------------------------------------------------ import graph
 
 
-def _import_graph() -> dict[str, set[str]]:
-    """megacritic module -> the megacritic modules it imports when it is imported (module level; importing
-    a.b.c also runs a.b's __init__)."""
+def _imports(file) -> set[str]:
+    """Every module ``file`` imports, at module level or inside functions (relative imports resolved)."""
     import ast
+    from pathlib import Path
+
+    import megacritic
+    root = Path(megacritic.__file__).parent
+    parts = list(Path(file).relative_to(root.parent).with_suffix("").parts)
+    package = parts[:-1]  # a module's package; a package's __init__ is its own
+    out = set()
+    for n in ast.walk(ast.parse(Path(file).read_text())):
+        if isinstance(n, ast.ImportFrom):
+            module = n.module or ""
+            if n.level:
+                base = package[: len(package) - (n.level - 1)]
+                module = ".".join(base + ([module] if module else []))
+            out |= {module} | {f"{module}.{a.name}" for a in n.names}
+        elif isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """megacritic module -> the megacritic modules it imports, wherever the import statement stands (module
+    level or in a function: each can run); importing a.b.c also runs a.b's __init__."""
     from pathlib import Path
 
     import megacritic
@@ -315,16 +336,22 @@ def _import_graph() -> dict[str, set[str]]:
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
     graph = {}
     for name, file in modules.items():
-        targets = set()
-        for node in ast.parse(file.read_text()).body:
-            for n in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
-                if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("megacritic"):
-                    targets |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
-                elif isinstance(n, ast.Import):
-                    targets |= {a.name for a in n.names}
+        targets = {t for t in _imports(file) if t.startswith("megacritic")}
         packages = {".".join(t.split(".")[:i]) for t in targets for i in range(2, t.count(".") + 2)}
         graph[name] = {t for t in packages if t in modules and t != name and not name.startswith(t + ".")}
     return graph
+
+
+def test_only_the_layout_and_compat_import_megatrons_parallel_state():
+    # Process groups and ranks are read from Megatron once (megacritic.parallel) and handed down.
+    from pathlib import Path
+
+    import megacritic
+    root = Path(megacritic.__file__).parent
+    users = {str(f.relative_to(root)) for f in root.rglob("*.py")
+             if any(t.startswith("megatron.core.parallel_state") or t == "megatron.core.parallel_state"
+                    or t == "megatron.core.mpu" for t in _imports(f))}
+    assert users and {u for u in users if u != "parallel.py" and not u.startswith("compat/")} == set(), users
 
 
 def test_import_graph_has_no_cycle_and_the_schema_imports_nothing_of_ours():
@@ -359,7 +386,7 @@ def test_modules_around_the_config_import_in_any_order(first):
     import megacritic
     probe = (f"import importlib, sys, types; package = types.ModuleType('megacritic'); "
              f"package.__path__ = [{str(Path(megacritic.__file__).parent)!r}]; sys.modules['megacritic'] = package; "
-             f"importlib.import_module({first!r}); from megacritic.config import TINY_MODEL_OVERRIDES, load_config; "
+             f"importlib.import_module({first!r}); from megacritic.config import TINY_MODEL_OVERRIDES; from megacritic.config.load import load_config; "
              f"print(load_config(list(TINY_MODEL_OVERRIDES)).model.hidden_size)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.split()[-1] == "64", out.stderr[-2000:]

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from megacritic.cli import train_config
-from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, load_config
+from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError
+from megacritic.config.load import load_config
 
 # Settings only `megacritic train` reads: load_config carries them unchecked.
 CLI_ONLY = ("data.", "trainer.", "algorithm.")

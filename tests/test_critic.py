@@ -1,4 +1,4 @@
-"""MegatronPPOCritic: the PPO loop against a fake schedule with no Megatron world (mini-batches, epochs,
+"""MegatronPPOCritic: the PPO loop against a fake forward-backward runner with no Megatron world (mini-batches, epochs,
 shuffle, loss weights, skipped and empty steps, metrics, LR schedule unit, operation names); then its step
 logic in a real world of one (rows and mini-batches without response tokens, the timing_s/* metrics from
 Megatron's timers)."""
@@ -18,10 +18,11 @@ from megacritic.data.sources import SyntheticRollouts
 from megacritic.losses import token_weights, value_loss_and_stats
 from megacritic.model.weights import ExpertRanks
 from megacritic.packing.micro_batches import MicroBatchPolicy
-from megacritic.parallel import ParallelLayout, Ranks
-from megacritic.schedule import Pass, StepTimers
+from megacritic.forward_backward import Pass, StepTimers
+from megacritic.parallel import ParallelLayout, ProcessGroups, Ranks
+from megacritic.train_state import TrainState
 
-# ---------------------------------------------------------------- the PPO loop with a fake schedule
+# ---------------------------------------------------------------- the PPO loop with a fake forward-backward runner
 
 FAKE = [*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "ppo_micro_batch_size_per_gpu=2", "ppo_epochs=2",
         "shuffle=true", "data.response_length=[2,10]"]
@@ -72,8 +73,8 @@ class FakeScheduler:
         self.optimizer.param_groups[0]["lr"] /= 2  # so each step's reported lr shows when the schedule moved
 
 
-class FakeSchedule:
-    """Stands in for megacritic.schedule.Schedule: records what the critic hands it; the value of a token is
+class FakeForwardBackward:
+    """Stands in for megacritic.forward_backward.ForwardBackward: records what the critic hands it; the value of a token is
     its row's id (carried in the batch's old values) plus 0.25; a training pass reports the real loss sums."""
 
     def __init__(self, policy, chunk, nan_loss=False, inf_grad=False, fail=False):
@@ -98,14 +99,15 @@ class FakeSchedule:
         return Pass(parts, [stats], 0.01)
 
 
-def _critic(overrides=(), **schedule):
+def _critic(overrides=(), **runner):
     config = load_config(FAKE + list(overrides))
     layout = ParallelLayout.from_config(config.megatron, 1)
     ranks = Ranks(rank=0, dp_rank=0, cp_rank=0, tp_rank=0, pp_rank=0, is_last_stage=True, experts=ExpertRanks(),
                   device=torch.device("cpu"))
     chunk, optimizer = FakeChunk(), FakeOptimizer()
-    schedule = FakeSchedule(MicroBatchPolicy.from_config(config, layout), chunk, **schedule)
-    critic = MegatronPPOCritic(config, layout, ranks, [chunk], schedule, optimizer, FakeScheduler(optimizer))
+    runner = FakeForwardBackward(MicroBatchPolicy.from_config(config, layout), chunk, **runner)
+    state = TrainState([chunk], optimizer, FakeScheduler(optimizer))
+    critic = MegatronPPOCritic(config, layout, ranks, ProcessGroups(), state, runner)
     return critic, config
 
 
@@ -134,10 +136,10 @@ def test_mini_batches_epochs_and_shuffle():
     critic, config = _critic()
     batch = _batch(config)
     for call in range(2):
-        critic.schedule.calls.clear()
+        critic.forward_backward.calls.clear()
         critic.update_critic(batch)
         expected = mini_batch_indices(8, 4, 2, True, config.data_loader_seed, call_index=call)
-        got = [_row_ids(local) for _, local, _, _ in critic.schedule.calls]
+        got = [_row_ids(local) for _, local, _, _ in critic.forward_backward.calls]
         assert got == [rows.tolist() for rows in expected]
     first = mini_batch_indices(8, 4, 2, True, config.data_loader_seed, call_index=0)
     assert [r.tolist() for r in first] != [r.tolist() for r in expected]  # a new shuffle per call
@@ -152,7 +154,7 @@ def test_weights_are_those_of_the_whole_mini_batch(overrides):
     batch = _batch(config)
     critic.update_critic(batch)
     rollouts = rollouts_from_batch(batch, need_targets=True)
-    for (_, local, weights, tokens), rows in zip(critic.schedule.calls, mini_batch_indices(8, 4, 2, False, 1)):
+    for (_, local, weights, tokens), rows in zip(critic.forward_backward.calls, mini_batch_indices(8, 4, 2, False, 1)):
         mini = rollouts.select(rows)
         expected = token_weights(mini.response_mask, config.loss_agg_mode, horizon=config.loss_scale_factor)
         assert torch.equal(weights, expected)
@@ -173,7 +175,7 @@ def test_metrics_of_every_step():
     assert all(t > 0.01 for t in metrics["timing_s/data"])  # the schedule's data time and a share of the check
     # predictions are the old values (= the returns) + 0.25, inside the clip range: 0.5 x 0.25^2 per token
     assert metrics["critic/vf_loss"] == pytest.approx([0.5 * 0.25 ** 2] * 4)
-    assert critic.optimizer.steps == 4
+    assert critic.state.optimizer.steps == 4
 
 
 def test_empty_mini_batch_is_skipped_with_the_same_metric_keys(caplog):
@@ -186,8 +188,8 @@ def test_empty_mini_batch_is_skipped_with_the_same_metric_keys(caplog):
         metrics = critic.update_critic(batch)
     assert "no response tokens" in caplog.text
     assert metrics["critic/empty_steps"] == [1.0, 0.0]
-    assert [c[0] for c in critic.schedule.calls] == ["train"]  # the empty one never reached the schedule
-    assert critic.optimizer.steps == 1 and critic.scheduler.increments == 1
+    assert [c[0] for c in critic.forward_backward.calls] == ["train"]  # the empty one never reached the schedule
+    assert critic.state.optimizer.steps == 1 and critic.state.lr_scheduler.increments == 1
     assert metrics["critic/vf_explained_var"][0] == 0.0 and metrics["perf/tokens_per_s"][0] == 0.0
     assert all(math.isfinite(v[0]) for v in metrics.values())
 
@@ -195,24 +197,24 @@ def test_empty_mini_batch_is_skipped_with_the_same_metric_keys(caplog):
 @pytest.mark.parametrize("fault", ["nan_loss", "inf_grad"])
 def test_non_finite_step_is_skipped(fault):
     critic, config = _critic(["ppo_epochs=1"], **{fault: True})
-    zeroed = critic.model[0].zeroed
+    zeroed = critic.state.model[0].zeroed
     metrics = critic.update_critic(_batch(config))
     assert metrics["critic/skipped_steps"] == [1.0, 1.0]
     assert all(math.isnan(g) for g in metrics["critic/grad_norm"])
-    assert critic.optimizer.steps == 0 and critic.scheduler.increments == 0
-    assert critic.model[0].zeroed - zeroed == 4  # before each step, and again to drop the bad gradients
-    assert critic.model[0].buffers[0].grad_data.isfinite().all()
+    assert critic.state.optimizer.steps == 0 and critic.state.lr_scheduler.increments == 0
+    assert critic.state.model[0].zeroed - zeroed == 4  # before each step, and again to drop the bad gradients
+    assert critic.state.model[0].buffers[0].grad_data.isfinite().all()
 
 
 @pytest.mark.parametrize("unit, increments", [("step", 4), ("call", 1)])
 def test_lr_schedule_unit(unit, increments):
     critic, config = _critic([f"optim.schedule_unit={unit}"])
     metrics = critic.update_critic(_batch(config))
-    assert critic.scheduler.increments == increments
+    assert critic.state.lr_scheduler.increments == increments
     if unit == "step":
         assert metrics["critic/lr"] == [1e-3, 5e-4, 2.5e-4, 1.25e-4]
     else:  # every step of a call runs at the call's LR; the schedule advances at its end
-        assert metrics["critic/lr"] == [1e-3] * 4 and critic.optimizer.param_groups[0]["lr"] == 5e-4
+        assert metrics["critic/lr"] == [1e-3] * 4 and critic.state.optimizer.param_groups[0]["lr"] == 5e-4
 
 
 def test_values_come_back_in_input_order_and_modes_are_restored():
@@ -221,7 +223,7 @@ def test_values_come_back_in_input_order_and_modes_are_restored():
     values = critic.compute_values(batch)
     rollouts = rollouts_from_batch(batch, need_targets=False)
     assert torch.equal(values, rollouts.response_mask * (rollouts.prompt_lens[:, None] + 0.25))
-    assert critic.model[0].training
+    assert critic.state.model[0].training
 
 
 def test_operation_names_what_failed():
@@ -230,7 +232,7 @@ def test_operation_names_what_failed():
     with pytest.raises(RuntimeError, match="peer"):
         critic.update_critic(_batch(config))
     assert critic.operation.startswith("update_critic: forward/backward")
-    critic.schedule.fail = False
+    critic.forward_backward.fail = False
     critic.update_critic(_batch(config))
     assert critic.operation == "idle"
 
@@ -251,12 +253,12 @@ def _run(overrides, edit=None, calls=2):
         batch["values"] = worker.compute_values(batch)
         if edit is not None:
             batch = edit(batch)
-        before = [p.detach().clone() for chunk in worker.critic.model for p in chunk.parameters()]
-        state = [v.clone() for s in worker.critic.optimizer.optimizer.state.values() for v in s.values()
+        before = [p.detach().clone() for chunk in worker.state.model for p in chunk.parameters()]
+        state = [v.clone() for s in worker.state.optimizer.optimizer.state.values() for v in s.values()
                  if torch.is_tensor(v)]
         metrics = [worker.update_critic(batch) for _ in range(calls)]
-        after = [p.detach().clone() for chunk in worker.critic.model for p in chunk.parameters()]
-        state_after = [v.clone() for s in worker.critic.optimizer.optimizer.state.values() for v in s.values()
+        after = [p.detach().clone() for chunk in worker.state.model for p in chunk.parameters()]
+        state_after = [v.clone() for s in worker.state.optimizer.optimizer.state.values() for v in s.values()
                        if torch.is_tensor(v)]
         return metrics, (before, after), (state, state_after)
     finally:

@@ -21,7 +21,7 @@ def _attention(impl, cp=1):
 
     layout = ParallelLayout.from_config(MegatronConfig(context_parallel_size=cp), world_size=cp)
     config = transformer_config(tiny_model(), layout, dtype=torch.bfloat16, on_cpu=False)
-    return layers.SDPAttention(config, 1, AttnMaskType.causal, "self", attention_impl=impl)
+    return layers.CoreAttention(config, 1, AttnMaskType.causal, "self", attention_impl=impl)
 
 
 def _fa4_available():
@@ -139,7 +139,7 @@ def _critic_run(extra, steps=1):
         batch = SyntheticRollouts(worker.config).batch(0)
         batch["values"] = values = worker.compute_values(batch)
         metrics = [worker.update_critic(batch) for _ in range(steps)]
-        return values, metrics, worker.compute_values(batch), attention_impl_of(worker.critic.model)
+        return values, metrics, worker.compute_values(batch), attention_impl_of(worker.state.model)
     finally:
         worker.close()
 
@@ -277,7 +277,7 @@ def test_offload_frees_device_memory_and_keeps_results(dtype, distributed):
         torch.cuda.reset_peak_memory_stats()
         after = worker.compute_values(batch)
         values_peak = torch.cuda.max_memory_allocated() - base
-        params = sum(p.numel() * p.element_size() for chunk in worker.critic.model for p in chunk.parameters())
+        params = sum(p.numel() * p.element_size() for chunk in worker.state.model for p in chunk.parameters())
         results[offload] = (values, metrics, after, resident, between, values_peak, params)
         print(f"{dtype}, offload={offload}: device memory held by the critic between calls "
               f"{resident / 2**20:.1f} MiB after init, {between / 2**20:.1f} MiB after compute_values; "
@@ -426,7 +426,7 @@ def test_fused_adamw_resumes_from_checkpoint(tmp_path):
     resumed = CriticWorker(config)
     resumed.init_model()
     resumed.load_checkpoint(folder)
-    groups = [g for inner in torch_optimizers(resumed.critic.optimizer) for g in inner.param_groups]
+    groups = [g for inner in torch_optimizers(resumed.state.optimizer) for g in inner.param_groups]
     assert all(g["fused"] for g in groups)
     again = resumed.update_critic(batch)
     resumed.close()
@@ -444,7 +444,7 @@ def test_grouped_experts_match_the_per_expert_loop():
         "model.dtype=bfloat16", "model.num_experts=8", "model.num_experts_per_tok=2",
         "model.moe_intermediate_size=128"])))
     worker.init_model()
-    experts = next(m for m in worker.critic.model[0].modules() if isinstance(m, GroupedExperts))
+    experts = next(m for m in worker.state.model[0].modules() if isinstance(m, GroupedExperts))
     assert experts.grouped
     torch.manual_seed(0)
     counts = torch.tensor([300, 0, 17, 1, 512, 64, 9, 123])
@@ -455,7 +455,7 @@ def test_grouped_experts_match_the_per_expert_loop():
     for grouped in (True, False):
         experts.grouped = grouped
         xg = x.clone().requires_grad_()
-        worker.critic.model[0].zero_grad_buffer()  # weight gradients land in Megatron's main_grad buffer
+        worker.state.model[0].zero_grad_buffer()  # weight gradients land in Megatron's main_grad buffer
         out, bias = experts(xg, counts, probs)
         out.backward(grad)
         assert bias is None

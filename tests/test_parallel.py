@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, MegatronConfig, load_config
+from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, MegatronConfig
+from megacritic.config.load import load_config
 from megacritic.parallel import ParallelLayout
 
 BASE = [*TINY_MODEL_OVERRIDES,

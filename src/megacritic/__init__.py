@@ -13,7 +13,7 @@ _PUBLIC = {
     "BatchError": "megacritic.data.rollouts",
     "ConfigError": "megacritic.config",
     "CriticConfig": "megacritic.config",
-    "load_config": "megacritic.config",
+    "load_config": "megacritic.config.load",
     "MegatronPPOCritic": "megacritic.critic",
     "CriticWorker": "megacritic.worker",
 }

@@ -43,6 +43,7 @@ import time
 import torch
 from tensordict import TensorDict
 
+from megacritic.data.rollouts import verl_batch
 from megacritic.flops import PEAK_FLOPS, forward_flops, machine_kind
 
 # Qwen2.5 shapes (random weights): hidden, layers, heads, kv heads, FFN; vocab 151936, QKV bias.
@@ -88,13 +89,11 @@ def rollouts(n: int, vocab: int, max_prompt: int, max_response: int, seed: int =
     median = max_response / 8
     r_len = (torch.randn(n, generator=gen) * 0.9 + math.log(median)).exp().round().long()
     r_len = r_len.clamp(min(16, max_response), max_response)
-    cols_p, cols_r = torch.arange(max_prompt), torch.arange(max_response)
-    mask = torch.cat([cols_p[None] >= (max_prompt - p_len)[:, None], cols_r[None] < r_len[:, None]], 1).long()
-    ids = torch.randint(0, vocab, mask.shape, generator=gen) * mask
-    returns = torch.randn(n, max_response, generator=gen) * mask[:, max_prompt:]
-    values = returns + 0.1 * torch.randn(n, max_response, generator=gen) * mask[:, max_prompt:]
-    return TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
-                       "responses": ids[:, max_prompt:], "returns": returns, "values": values}, batch_size=[n])
+    tokens = torch.randint(0, vocab, (n, max_prompt + max_response), generator=gen)
+    response_mask = (torch.arange(max_response)[None] < r_len[:, None]).float()
+    returns = torch.randn(n, max_response, generator=gen) * response_mask
+    values = returns + 0.1 * torch.randn(n, max_response, generator=gen) * response_mask
+    return verl_batch(tokens, p_len, r_len, prompt_width=max_prompt, returns=returns, values=values)
 
 
 class _Timer:
@@ -176,7 +175,7 @@ def megacritic_kernels(worker) -> dict:
     """The kernels a built critic runs: attention of packed micro-batches, RMSNorm, SwiGLU, optimizer."""
     from megacritic.model.layers import RMSNorm, attention_impl_of
 
-    chunks = worker.critic.model
+    chunks = worker.state.model
     config = chunks[0].config
     norms = {m.fused and m.weight.is_cuda for chunk in chunks for m in chunk.modules() if isinstance(m, RMSNorm)}
     mg = worker.config.megatron

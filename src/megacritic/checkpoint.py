@@ -10,7 +10,9 @@ Layout of ``<root>``::
     .tmp-step_00000015/       a save in progress (or interrupted): never loaded
 
 A crash while saving leaves only a ``.tmp-*`` folder; ``latest_checkpoint`` picks the newest folder whose
-manifest matches its files, so a truncated or corrupted checkpoint is skipped, not loaded.
+manifest matches its files, so a truncated or corrupted checkpoint is skipped, not loaded. A folder's files are
+hashed once per load: :func:`open_checkpoint` (or ``latest_checkpoint``) verifies it and returns a
+:class:`Checkpoint`, which the reader of its trainer state and :func:`load_checkpoint` take as it is.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ import json
 import os
 import shutil
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-from megacritic.compat.checkpoint import adam_step_kept_per_parameter
+from megacritic.compat.adam_step import adam_step_kept_per_parameter
+from megacritic.config import ConfigError, CriticConfig, is_moe
 from megacritic.optim import torch_optimizers
+from megacritic.train_state import TrainState
 
 MANIFEST = "MANIFEST.json"
 TRAINER_STATE = "trainer.json"
@@ -40,6 +46,18 @@ _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupted."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint folder whose files matched its manifest when it was opened, and its trainer state."""
+
+    folder: str
+    state: dict  # trainer.json: the trainer's own state, the TrainState's non-tensor state, config, world size
+
+    @property
+    def trainer_state(self) -> dict:
+        return self.state["trainer"]
 
 
 def checkpoint_name(step: int) -> str:
@@ -94,8 +112,10 @@ def _restore_rng(folder: str, saved_world_size: int | None) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(root: str, step: int, model: list, optimizer, trainer_state: dict) -> str:
-    """Collective: every rank calls it. Returns the final folder."""
+def save_checkpoint(root: str, step: int, train_state: TrainState, saved_state: dict) -> str:
+    """Collective: every rank calls it. Writes ``train_state`` (its tensors through Megatron's distributed
+    checkpointing, the rest in trainer.json beside ``saved_state``). Returns the final folder."""
+    model, optimizer = train_state.model, train_state.optimizer
     final = os.path.join(root, checkpoint_name(step))
     tmp = os.path.join(root, ".tmp-" + checkpoint_name(step))
     rank0 = dist.get_rank() == 0
@@ -109,7 +129,7 @@ def save_checkpoint(root: str, step: int, model: list, optimizer, trainer_state:
     dist.barrier()
     if rank0:
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
-            json.dump({**trainer_state, "world_size": dist.get_world_size()}, f)
+            json.dump({**saved_state, **train_state.state_dict(), "world_size": dist.get_world_size()}, f)
         files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
                         "sha256": _file_digest(os.path.join(tmp, name))} for name in _list_files(tmp)}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -142,16 +162,38 @@ def verify_checkpoint(folder: str) -> None:
             raise CheckpointError(f"{folder}: {name} does not match its checksum (corrupted)")
 
 
-def latest_checkpoint(root: str) -> tuple[str | None, list[str]]:
+def open_checkpoint(folder: str) -> Checkpoint:
+    """Verify ``folder`` against its manifest (CheckpointError if it does not match) and read its state; no
+    collective, any process can open one."""
+    verify_checkpoint(folder)
+    try:
+        with open(os.path.join(folder, TRAINER_STATE)) as f:
+            return Checkpoint(folder, json.load(f))
+    except ValueError as exc:
+        raise CheckpointError(f"{folder}: unreadable {TRAINER_STATE}: {exc}") from None
+
+
+def check_expert_layout(checkpoint: Checkpoint, config: CriticConfig) -> None:
+    """ConfigError unless ``checkpoint`` loads under ``config``'s expert parallelism: megatron-core gives the
+    experts an optimizer of their own only with expert parallelism > 1, and the two optimizer layouts'
+    checkpoints do not load into each other."""
+    saved = checkpoint.state.get("config", {}).get("megatron", {})
+    saved_ep, ep = saved.get("expert_model_parallel_size", 1), config.megatron.expert_model_parallel_size
+    if is_moe(config.model) and (saved_ep > 1) != (ep > 1):
+        raise ConfigError(f"megatron.expert_model_parallel_size={ep}: the checkpoint {checkpoint.folder} was saved "
+                          f"with {saved_ep}; a mixture-of-experts checkpoint resumes only with expert parallelism "
+                          f"{'> 1' if saved_ep > 1 else '= 1'} (megatron-core keeps the experts' optimizer "
+                          "state apart only when it is > 1)")
+
+
+def latest_checkpoint(root: str) -> tuple[Checkpoint | None, list[str]]:
     """The newest intact checkpoint under ``root`` (or None), and why newer ones were skipped."""
     if not os.path.isdir(root):
         return None, []
     skipped = []
     for name in sorted((n for n in os.listdir(root) if n.startswith("step_")), reverse=True):
-        folder = os.path.join(root, name)
         try:
-            verify_checkpoint(folder)
-            return folder, skipped
+            return open_checkpoint(os.path.join(root, name)), skipped
         except CheckpointError as exc:
             skipped.append(str(exc))
     return None, skipped
@@ -181,16 +223,10 @@ def _place_adam_steps(optimizer) -> None:
                     state["step"] = state["step"].to(p.device if on_device else "cpu", torch.float32)
 
 
-def read_trainer_state(folder: str) -> dict:
-    """The JSON state saved beside the tensors (no collective; any process can read it)."""
-    verify_checkpoint(folder)
-    with open(os.path.join(folder, TRAINER_STATE)) as f:
-        return json.load(f)
-
-
-def load_checkpoint(folder: str, model: list, optimizer) -> dict:
-    """Collective: load model and optimizer state (any layout) and return the trainer state."""
-    verify_checkpoint(folder)
+def load_checkpoint(checkpoint: Checkpoint, train_state: TrainState) -> None:
+    """Collective: load ``checkpoint`` (saved under any layout, opened by :func:`open_checkpoint`) into
+    ``train_state``."""
+    folder, model, optimizer = checkpoint.folder, train_state.model, train_state.optimizer
     _materialise_adam_state(optimizer)
     state = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True), folder)
     for i, chunk in enumerate(model):
@@ -198,7 +234,5 @@ def load_checkpoint(folder: str, model: list, optimizer) -> dict:
     with adam_step_kept_per_parameter(optimizer):
         optimizer.load_state_dict(state["optimizer"])
     _place_adam_steps(optimizer)
-    with open(os.path.join(folder, TRAINER_STATE)) as f:
-        trainer_state = json.load(f)
-    _restore_rng(folder, trainer_state.get("world_size"))
-    return trainer_state
+    train_state.load_state_dict(checkpoint.state)
+    _restore_rng(folder, checkpoint.state.get("world_size"))

@@ -73,9 +73,10 @@ def export_checkpoint(checkpoint: str, out: str, overrides: list[str]) -> None:
     """Rebuild the critic a checkpoint was saved from (its own config), load it, write a HF folder."""
     import torch.distributed as dist
 
-    from megacritic.checkpoint import read_trainer_state
+    from megacritic.checkpoint import open_checkpoint
     from megacritic.worker import CriticWorker
-    saved = read_trainer_state(checkpoint)["config"]
+    opened = open_checkpoint(checkpoint)  # verified here, once
+    saved = opened.state["config"]
     # The architecture is in the saved config; weights come from the checkpoint, not from model.path.
     saved = {**saved, "model": {**saved["model"], "path": None, "value_head_init": "normal"}}
     config = load_config(["megatron.tensor_model_parallel_size=1", "megatron.pipeline_model_parallel_size=1",
@@ -83,7 +84,7 @@ def export_checkpoint(checkpoint: str, out: str, overrides: list[str]) -> None:
     worker = CriticWorker(config)
     worker.init_model()
     try:
-        worker.load_checkpoint(checkpoint)
+        worker.load_checkpoint(opened)
         worker.export_hf(out)
     finally:
         worker.close()

@@ -3,7 +3,7 @@
 The path of a batch: checked (:mod:`megacritic.data.rollouts`) and broadcast from the last pipeline rank ->
 split into mini-batches (epochs, seeded shuffle) -> loss weights computed over the whole mini-batch
 (:mod:`megacritic.losses`) -> this data-parallel rank's shard, balanced by tokens -> the pipeline schedule
-(:mod:`megacritic.schedule`: micro-batches, forward, loss, backward, gradient reduction) -> optimizer step ->
+(:mod:`megacritic.forward_backward`: micro-batches, forward, loss, backward, gradient reduction) -> optimizer step ->
 metrics reduced once per step (:func:`megacritic.losses.step_metrics`).
 """
 
@@ -28,38 +28,29 @@ from megacritic.data.rollouts import (
 )
 from megacritic.losses import STAT_KEYS, stack_stats, step_metrics, token_weights
 from megacritic.packing.partition import reverse_index
-from megacritic.parallel import ParallelLayout, Ranks
+from megacritic.parallel import ParallelLayout, ProcessGroups, Ranks
+from megacritic.train_state import TrainState
 
 log = logging.getLogger(__name__)
-
-
-def _mpu():
-    # Collective groups come from Megatron's parallel state, only where a collective is needed (a world of
-    # one needs none, and the PPO loop runs without Megatron in tests).
-    from megatron.core import parallel_state as mpu
-    return mpu
 
 
 class MegatronPPOCritic:
     """The PPO critic's algorithm over a Megatron model: ``compute_values`` and ``update_critic``.
 
-    ``schedule`` runs a rank's rollouts through the pipeline (:class:`megacritic.schedule.Schedule`);
-    ``model`` is the list of Megatron DDP chunks, ``optimizer`` / ``scheduler`` Megatron's optimizer and
-    LR schedule.
+    ``state`` is what it trains (model chunks, optimizer, LR scheduler, call count: :class:`TrainState`);
+    ``forward_backward`` runs a rank's rollouts through the pipeline
+    (:class:`megacritic.forward_backward.ForwardBackward`); ``groups``: the process groups of its collectives.
     """
 
-    def __init__(self, config: CriticConfig, layout: ParallelLayout, ranks: Ranks, model: list, schedule,
-                 optimizer=None, scheduler=None):
+    def __init__(self, config: CriticConfig, layout: ParallelLayout, ranks: Ranks, groups: ProcessGroups,
+                 state: TrainState, forward_backward):
         self.config = config
-        self.layout, self.ranks = layout, ranks
-        self.model = model
-        self.schedule = schedule
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.update_calls = 0
+        self.layout, self.ranks, self.groups = layout, ranks, groups
+        self.state = state
+        self.forward_backward = forward_backward
         self._operation = "idle"
         # Training rollouts are dealt to data-parallel ranks in whole fixed-size micro-batches (dp_shards).
-        self._dp_unit = schedule.policy.train.size or 1
+        self._dp_unit = forward_backward.policy.train.size or 1
 
     # ---------------------------------------------------------------- what the critic is doing
 
@@ -69,7 +60,7 @@ class MegatronPPOCritic:
         return self._operation
 
     @contextlib.contextmanager
-    def _doing(self, operation: str):
+    def doing(self, operation: str):
         """Name what runs inside for error messages; back to idle when it returns (a failure keeps the name)."""
         self._operation = operation
         yield
@@ -80,19 +71,20 @@ class MegatronPPOCritic:
     @torch.no_grad()
     def compute_values(self, data) -> torch.Tensor:
         """Values of the response tokens, float32 [B, R], zero outside the response; on every rank."""
-        with self._doing("compute_values: batch check and broadcast"):
+        with self.doing("compute_values: batch check and broadcast"):
             rollouts = self._receive(data, need_targets=False)
-        with self._doing("compute_values: forward (Megatron schedule)"):
+        with self.doing("compute_values: forward (Megatron schedule)"):
             shards = dp_shards(rollouts.seq_lens, self.layout.dp)
-            modes = [chunk.training for chunk in self.model]
-            for chunk in self.model:
+            model = self.state.model
+            modes = [chunk.training for chunk in model]
+            for chunk in model:
                 chunk.eval()
             try:
-                run = self.schedule.run(rollouts.select(shards[self.ranks.dp_rank]))
+                run = self.forward_backward.run(rollouts.select(shards[self.ranks.dp_rank]))
             finally:
-                for chunk, mode in zip(self.model, modes):
+                for chunk, mode in zip(model, modes):
                     chunk.train(mode)
-        with self._doing("compute_values: gathering values over data-parallel and pipeline ranks"):
+        with self.doing("compute_values: gathering values over data-parallel and pipeline ranks"):
             values = torch.empty((len(rollouts), rollouts.response_width), dtype=torch.float32,
                                  device=self.ranks.device)
             if self.ranks.is_last_stage:
@@ -101,10 +93,10 @@ class MegatronPPOCritic:
                 if self.layout.cp > 1:
                     # Each context-parallel rank filled the values at the positions it holds and zeros
                     # elsewhere: their sum is exact.
-                    dist.all_reduce(local, group=_mpu().get_context_parallel_group())
+                    dist.all_reduce(local, group=self.groups.cp)
                 if self.layout.dp > 1:
                     gathered = torch.empty_like(values)
-                    dist.all_gather_into_tensor(gathered, local.contiguous(), group=_mpu().get_data_parallel_group())
+                    dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.groups.dp)
                     local = gathered[reverse_index(shards).to(gathered.device)]  # shards -> input order
                 values.copy_(local)
             self._broadcast_from_last_stage(values)
@@ -118,14 +110,14 @@ class MegatronPPOCritic:
         """
         batches = [data] if _is_batch(data) else list(data)
         start = time.perf_counter()
-        with self._doing("update_critic: batch check and broadcast"):
+        with self.doing("update_critic: batch check and broadcast"):
             checked = [self._receive(b, need_targets=True) for b in batches]  # all refused before any step
         receive_time = time.perf_counter() - start
         metrics: dict[str, list[float]] = defaultdict(list)
         cfg = self.config
         for rollouts in checked:
             steps = mini_batch_indices(len(rollouts), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle,
-                                       cfg.data_loader_seed, call_index=self.update_calls)
+                                       cfg.data_loader_seed, call_index=self.state.update_calls)
             for index, rows in enumerate(steps):
                 mini = rollouts.select(rows)
                 if not mini.response_mask.any():
@@ -138,9 +130,9 @@ class MegatronPPOCritic:
                 step["timing_s/data"] += receive_time / (len(steps) * len(checked))
                 for k, v in step.items():
                     metrics[k].append(v)
-            self.update_calls += 1
+            self.state.update_calls += 1
         if cfg.optim.schedule_unit == "call":
-            self.scheduler.step(increment=1)
+            self.state.lr_scheduler.step(increment=1)
         return dict(metrics)
 
     def _empty_step(self, index: int) -> dict[str, float]:
@@ -151,7 +143,7 @@ class MegatronPPOCritic:
                         "optimizer step skipped", index)
         return step_metrics(torch.zeros(len(STAT_KEYS), dtype=torch.float64), grad_norm=0.0, lr=self._lr(),
                             skipped=False, empty=True, tokens=0, seconds=0.0, data_seconds=0.0,
-                            timers={key: 0.0 for key in self.schedule.timers.take()})
+                            timers={key: 0.0 for key in self.forward_backward.timers.take()})
 
     # ---------------------------------------------------------------- one optimizer step
 
@@ -159,22 +151,22 @@ class MegatronPPOCritic:
         """One optimizer step on this rank's share ``local`` of a mini-batch of ``global_tokens`` real tokens;
         ``weights``: the share's loss weights, computed over the whole mini-batch."""
         start = time.perf_counter()
-        self.schedule.timers.take()  # drop what earlier forward-only calls left on the timers
+        self.forward_backward.timers.take()  # drop what earlier forward-only calls left on the timers
         self._zero_grad()
-        with self._doing("update_critic: forward/backward and gradient reduction (Megatron schedule)"):
-            run = self.schedule.run(local, weights, mini_batch_tokens=global_tokens)
-        with self._doing("update_critic: reducing loss statistics"):
+        with self.doing("update_critic: forward/backward and gradient reduction (Megatron schedule)"):
+            run = self.forward_backward.run(local, weights, mini_batch_tokens=global_tokens)
+        with self.doing("update_critic: reducing loss statistics"):
             sums = self._reduce_stats(run.outputs)
-        with self._doing("update_critic: optimizer step"):
+        with self.doing("update_critic: optimizer step"):
             lr = self._lr()
             # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
             # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
             healthy, grad_norm = self.optimizer_step(bool(torch.isfinite(sums[STAT_KEYS.index("loss")])))
             if healthy and self.config.optim.schedule_unit == "step":
-                self.scheduler.step(increment=1)
+                self.state.lr_scheduler.step(increment=1)
         return step_metrics(sums, grad_norm=grad_norm, lr=lr, skipped=not healthy, empty=False,
                             tokens=global_tokens, seconds=time.perf_counter() - start,
-                            data_seconds=run.data_seconds, timers=self.schedule.timers.take(),
+                            data_seconds=run.data_seconds, timers=self.forward_backward.timers.take(),
                             moe_aux_loss=run.moe_aux_loss)
 
     def optimizer_step(self, loss_finite: bool = True) -> tuple[bool, float]:
@@ -182,38 +174,41 @@ class MegatronPPOCritic:
         rank) or a gradient is not finite: then the weights are kept, the gradients dropped and the grad
         norm is NaN. Returns (applied, grad norm before clipping). Collective."""
         if loss_finite and self._grads_finite():
-            _, grad_norm, _ = self.optimizer.step()
+            _, grad_norm, _ = self.state.optimizer.step()
             return True, grad_norm
         # A non-finite loss or gradient would poison the weights: keep them, report the step.
         self._zero_grad()
         return False, float("nan")
 
-    def forward_backward(self, local: Rollouts, loss, forward_only: bool, mini_batch_tokens: int = 0):
+    def forward_backward_batch(self, local: Rollouts, loss, forward_only: bool, mini_batch_tokens: int = 0):
         """This rank's rollouts ``local`` through the pipeline schedule with a trainer's own ``loss``
-        (:meth:`megacritic.schedule.Schedule.run`): forward only, or forward and backward with the gradients
-        reduced into the model's buffers (no optimizer step). Returns the schedule's pass."""
-        modes = [chunk.training for chunk in self.model]
-        for chunk in self.model:
+        (:meth:`megacritic.forward_backward.ForwardBackward.run`): forward only, or forward and backward with
+        the gradients reduced into the model's buffers (no optimizer step). Returns the runner's
+        :class:`~megacritic.forward_backward.Pass`."""
+        model = self.state.model
+        modes = [chunk.training for chunk in model]
+        for chunk in model:
             chunk.train(not forward_only)
         try:
-            with self._doing(f"{'forward' if forward_only else 'forward/backward'} of a trainer's batch "
-                             "(Megatron schedule)"):
-                return self.schedule.run(local, mini_batch_tokens=mini_batch_tokens, loss=loss,
-                                         forward_only=forward_only)
+            with self.doing(f"{'forward' if forward_only else 'forward/backward'} of a trainer's batch "
+                            "(Megatron schedule)"):
+                return self.forward_backward.run(local, mini_batch_tokens=mini_batch_tokens, loss=loss,
+                                                 forward_only=forward_only)
         finally:
-            for chunk, mode in zip(self.model, modes):
+            for chunk, mode in zip(model, modes):
                 chunk.train(mode)
 
     def zero_grad(self) -> None:
+        """Zero the model's gradient buffers and the optimizer's gradients."""
         self._zero_grad()
 
     def _zero_grad(self) -> None:
-        for chunk in self.model:
+        for chunk in self.state.model:
             chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self.state.optimizer.zero_grad()
 
     def _lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        return float(self.state.optimizer.param_groups[0]["lr"])
 
     # ---------------------------------------------------------------- the critic's collectives
 
@@ -223,8 +218,7 @@ class MegatronPPOCritic:
         rollouts = check_batch(data, need_targets, model.vocab_size, model.max_position_embeddings)
         if self.layout.pp == 1:
             return rollouts
-        mpu, device = _mpu(), self.ranks.device
-        group = mpu.get_pipeline_model_parallel_group()
+        device, group = self.ranks.device, self.groups.pp
         shape = torch.tensor([*rollouts.input_ids.shape, rollouts.response_width, int(need_targets)], device=device)
         shapes = [torch.empty_like(shape) for _ in range(self.layout.pp)]
         dist.all_gather(shapes, shape, group=group)
@@ -232,15 +226,13 @@ class MegatronPPOCritic:
             raise BatchError(f"pipeline ranks were given batches of different shapes: {[s.tolist() for s in shapes]}")
         for tensor in rollouts.tensors().values():
             on_device = tensor.to(device)
-            dist.broadcast(on_device, src=mpu.get_pipeline_model_parallel_last_rank(), group=group)
+            dist.broadcast(on_device, src=self.groups.pp_last_rank, group=group)
             tensor.copy_(on_device)
         return rollouts
 
     def _broadcast_from_last_stage(self, tensor: torch.Tensor) -> None:
         if self.layout.pp > 1:
-            mpu = _mpu()
-            dist.broadcast(tensor, src=mpu.get_pipeline_model_parallel_last_rank(),
-                           group=mpu.get_pipeline_model_parallel_group())
+            dist.broadcast(tensor, src=self.groups.pp_last_rank, group=self.groups.pp)
 
     def _reduce_stats(self, outputs: list[dict]) -> torch.Tensor:
         """Stat sums of the whole mini-batch on every rank: over micro-batches, DP and CP ranks (each CP
@@ -249,13 +241,13 @@ class MegatronPPOCritic:
         if self.ranks.is_last_stage:
             sums = stack_stats(outputs, self.ranks.device)
             if self.layout.dp * self.layout.cp > 1:
-                dist.all_reduce(sums, group=_mpu().get_data_parallel_group(with_context_parallel=True))
+                dist.all_reduce(sums, group=self.groups.dp_cp)
         self._broadcast_from_last_stage(sums)
         return sums
 
     def _grads_finite(self) -> bool:
         bad = torch.zeros((), dtype=torch.float32, device=self.ranks.device)
-        for chunk in self.model:
+        for chunk in self.state.model:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                 bad += (~torch.isfinite(buffer.grad_data)).any()
         if self.layout.world_size > 1:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megacritic.optim import torch_optimizers
+from megacritic.train_state import TrainState
+
 
 def _as_bytes(storage: torch.UntypedStorage, device: torch.device) -> Tensor:
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
@@ -84,3 +87,65 @@ class PinnedOffload:
         for t, _ in self._onloaded:
             t.untyped_storage().resize_(0)
         self._on_host, self._onloaded = self._onloaded, []
+
+
+OFFLOAD_PARTS = ("params", "grads", "optimizer")
+
+
+def _optimizer_tensors(optimizer):
+    """The device tensors a Megatron optimizer keeps: main parameters (float32 copies) and their state."""
+    for torch_optimizer in torch_optimizers(optimizer):
+        for group in torch_optimizer.param_groups:
+            yield from (p for p in group["params"] if p.is_cuda)
+        for state in torch_optimizer.state.values():
+            yield from (v for v in state.values() if torch.is_tensor(v) and v.is_cuda)
+
+
+class Offloader:
+    """Moves the parts of a :class:`~megacritic.train_state.TrainState` ("params", "grads", "optimizer")
+    between the device and pinned host memory. Nothing moves off a CUDA device (on CPU it has nowhere to go).
+    """
+
+    def __init__(self, state: TrainState, device: torch.device):
+        self.state, self.device = state, device
+        self.on_host: set[str] = set()  # parts now in host memory
+        self._host = {"params": PinnedOffload(), "optimizer": PinnedOffload()}
+
+    def offload(self, parts, unchanged=()) -> None:
+        """Move ``parts`` to host memory (pinned; gradient buffers are released, not copied) and release the
+        device memory; parts already on the host stay there. ``unchanged``: parts only read since their
+        onload (freed without a copy)."""
+        unknown = [part for part in parts if part not in OFFLOAD_PARTS]
+        if unknown:
+            raise ValueError(f"offload parts {unknown}: choose from {', '.join(OFFLOAD_PARTS)}")
+        todo = [part for part in OFFLOAD_PARTS if part in parts and part not in self.on_host]
+        if self.device.type != "cuda" or not todo:
+            return
+        params = list(self.state.parameters())
+        # The optimizer first, while the parameters are still on the device: with float32 parameters the
+        # optimizer's main parameters are the model's own (or views of them), and those stay.
+        if "optimizer" in todo:
+            model_storages = {p.untyped_storage().data_ptr() for p in params}
+            self._host["optimizer"].offload(t for t in _optimizer_tensors(self.state.optimizer)
+                                            if t.untyped_storage().data_ptr() not in model_storages)
+        if "grads" in todo:
+            for chunk in self.state.model:
+                chunk.offload_grad_buffers(synchronize=False, empty_cache=False)
+        if "params" in todo:
+            if "params" in unchanged:
+                self._host["params"].release()
+            else:
+                self._host["params"].offload(params)
+        self.on_host.update(todo)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def onload(self, parts=OFFLOAD_PARTS) -> None:
+        """Bring offloaded parts back to the device (gradient buffers come back zeroed)."""
+        for part in (p for p in parts if p in self.on_host):
+            if part == "grads":
+                for chunk in self.state.model:
+                    chunk.restore_grad_buffers(synchronize=False)
+            else:
+                self._host[part].onload()
+            self.on_host.discard(part)

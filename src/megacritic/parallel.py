@@ -1,9 +1,12 @@
-"""The parallel layout of a run: every degree and every setting derived from them, worked out once.
+"""The parallel layout of a run: every degree and every setting derived from them, worked out once, and
+the process groups that carry it out.
 
 :class:`ParallelLayout` is pure (config + world size, checked); :func:`init_megatron` creates (or joins) the
-process group and Megatron's parallel state for it and returns this process' :class:`Ranks`, read from
-Megatron's parallel state once. Everything downstream (the critic, the schedule, the micro-batch policy,
-the TransformerConfig) reads these two objects, not the config's raw degrees nor ``mpu``'s rank getters.
+process group and Megatron's parallel state for it and returns what it set up (:class:`Initialised`): this
+process' :class:`Ranks` and the :class:`ProcessGroups` of its collectives, both read from Megatron's
+parallel state once. Everything downstream (the critic, the forward-backward runner, the model builder, the
+export) receives these objects; this module (and :mod:`megacritic.compat`) alone imports Megatron's
+``parallel_state``.
 """
 
 from __future__ import annotations
@@ -106,10 +109,14 @@ class Ranks:
     is_last_stage: bool
     experts: ExpertRanks
     device: torch.device
+    expert_dp_rank: int = 0  # this rank's replica among the ranks holding the same experts
+    # Per model chunk (virtual pipeline stage): (holds the embedding, holds the value head).
+    chunk_roles: tuple[tuple[bool, bool], ...] = ((True, True),)
 
     @classmethod
-    def read(cls, device: torch.device) -> "Ranks":
+    def read(cls, device: torch.device, vpp: int = 1) -> "Ranks":
         from megatron.core import parallel_state as mpu
+        stages = [stage if vpp > 1 else None for stage in range(vpp)]
         return cls(rank=dist.get_rank(), dp_rank=mpu.get_data_parallel_rank(), cp_rank=mpu.get_context_parallel_rank(),
                    tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
                    is_last_stage=mpu.is_pipeline_last_stage(ignore_virtual=True),
@@ -117,14 +124,42 @@ class Ranks:
                                        mpu.get_expert_model_parallel_world_size(),
                                        mpu.get_expert_tensor_parallel_rank(),
                                        mpu.get_expert_tensor_parallel_world_size()),
-                   device=device)
+                   device=device, expert_dp_rank=mpu.get_expert_data_parallel_rank(),
+                   chunk_roles=tuple((mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=s),
+                                      mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=s)) for s in stages))
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The process groups of the critic's collectives, taken from Megatron's parallel state once. A world of
+    one (or a test without a Megatron world) passes ``ProcessGroups()``: every group None, no collective run."""
+
+    dp: object = None  # data parallel
+    dp_cp: object = None  # data x context parallel (loss statistics, gradients)
+    dp_gloo: object = None  # data parallel on gloo (host-side maxima)
+    cp: object = None  # context parallel
+    tp: object = None  # tensor parallel
+    pp: object = None  # pipeline parallel
+    pp_last_rank: int = 0  # global rank of this pipeline's last stage
+    expert_tp: object = None  # expert tensor parallel
+    expert_ep: object = None  # expert model parallel
+
+    @classmethod
+    def read(cls) -> "ProcessGroups":
+        from megatron.core import parallel_state as mpu
+        return cls(dp=mpu.get_data_parallel_group(), dp_cp=mpu.get_data_parallel_group(with_context_parallel=True),
+                   dp_gloo=mpu.get_data_parallel_group_gloo(), cp=mpu.get_context_parallel_group(),
+                   tp=mpu.get_tensor_model_parallel_group(), pp=mpu.get_pipeline_model_parallel_group(),
+                   pp_last_rank=mpu.get_pipeline_model_parallel_last_rank(),
+                   expert_tp=mpu.get_expert_tensor_parallel_group(), expert_ep=mpu.get_expert_model_parallel_group())
 
 
 @dataclass(frozen=True)
 class Initialised:
-    """What :func:`init_megatron` set up, and so what the caller tears down."""
+    """What :func:`init_megatron` set up, and so what :func:`teardown` takes down."""
 
     ranks: Ranks
+    groups: ProcessGroups
     owns_process_group: bool  # this call created a world of one
     owns_parallel_state: bool  # False: Megatron's parallel state of another model in this process, reused
 
@@ -238,4 +273,14 @@ def init_megatron(layout: ParallelLayout, seed: int, timeout_s: int) -> Initiali
         model_parallel_cuda_manual_seed(seed)
     on_cpu = not torch.cuda.is_available()
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-    return Initialised(Ranks.read(device), owns_group, owns_state)
+    return Initialised(Ranks.read(device, layout.vpp), ProcessGroups.read(), owns_group, owns_state)
+
+
+def teardown(initialised: Initialised) -> None:
+    """Undo what :func:`init_megatron` set up: Megatron's parallel state unless it was a colocated model's
+    (reused), and the process group if it created a world of one."""
+    if initialised.owns_parallel_state:
+        from megatron.core import parallel_state as mpu
+        mpu.destroy_model_parallel()
+    if initialised.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()

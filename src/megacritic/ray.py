@@ -33,7 +33,8 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("megacritic.ray needs Ray: pip install 'megacritic[ray]'") from e
 
-from megacritic.config import ConfigError, CriticConfig, load_config, validate
+from megacritic.config import ConfigError, CriticConfig, validate
+from megacritic.config.load import load_config
 from megacritic.data.rollouts import check_batch, mini_batch_indices, to_tensordict
 from megacritic.parallel import ParallelLayout, free_port
 

@@ -53,7 +53,7 @@ def job_config(settings: CriticConfig) -> CriticConfig:
     check_job_settings(settings)
     optim = settings.optim
     if optim.total_training_steps == -1:
-        optim = dataclasses.replace(optim, total_training_steps=schedule_length(settings))
+        optim = dataclasses.replace(optim, total_training_steps=lr_schedule_length(settings))
     config = complete(dataclasses.replace(settings, optim=optim))
     d, m = config.data, config.model
     if d.prompt_length[1] + d.response_length[1] > m.max_position_embeddings:
@@ -87,7 +87,7 @@ def check_job_settings(config: CriticConfig) -> None:
              f"must be a multiple of ppo_mini_batch_size ({config.ppo_mini_batch_size})")
 
 
-def schedule_length(config: CriticConfig) -> int:
+def lr_schedule_length(config: CriticConfig) -> int:
     """What the run's LR schedule spans, in optim.schedule_unit: trainer.steps update_critic calls, each of
     data.rollouts_per_step / ppo_mini_batch_size x ppo_epochs optimizer steps."""
     if config.optim.schedule_unit == "call":
@@ -197,18 +197,18 @@ def _profiled(enabled: bool, folder: str, iteration: int):
 
 def _resume(worker: CriticWorker, root: str, speaker: bool) -> dict:
     """Trainer state of the newest intact checkpoint (empty when there is none)."""
-    folder, skipped = latest_checkpoint(root)
+    found, skipped = latest_checkpoint(root)
     if speaker:
         for reason in skipped:
             print(f"megacritic: skipping checkpoint: {reason}", file=sys.stderr)
-    if folder is None:
+    if found is None:
         if speaker:
             print(f"megacritic: trainer.resume=true but no complete checkpoint in {root}; starting fresh",
                   file=sys.stderr)
         return {}
-    state = worker.load_checkpoint(folder)
+    state = worker.load_checkpoint(found)  # verified once, by latest_checkpoint
     if speaker:
-        print(f"megacritic: resumed from {folder} (iteration {state['iteration']}, step {state['step']})")
+        print(f"megacritic: resumed from {found.folder} (iteration {state['iteration']}, step {state['step']})")
     return state
 
 
@@ -239,7 +239,7 @@ def train(config: CriticConfig) -> dict[str, float]:
     state = _resume(worker, ckpt_root, speaker) if t.resume else {}
     first, step = state.get("iteration", 0), state.get("step", 0)
     peak = peak_flops()
-    worker_attention = attention_impl_of(worker.critic.model)  # fa4 / fa2 / sdpa, chosen once at build
+    worker_attention = attention_impl_of(worker.state.model)  # fa4 / fa2 / sdpa, chosen once at build
     log = None
     if speaker:
         os.makedirs(t.output_dir, exist_ok=True)

@@ -1,11 +1,11 @@
-"""megacritic.compat.kernels and megacritic.compat.checkpoint, on their own (no Megatron world)."""
+"""megacritic.compat.kernels and megacritic.compat.adam_step, on their own (no Megatron world)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megacritic.compat.checkpoint import PATCHED_METHOD, adam_step_kept_per_parameter
+from megacritic.compat.adam_step import PATCHED_METHOD, adam_step_kept_per_parameter
 from megacritic.compat.kernels import _foreach_l2_norm, _foreach_scale, use_fused_adamw
 
 

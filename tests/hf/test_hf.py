@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from megacritic import CriticWorker, load_config
 from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError, ModelConfig, tiny_model
 from megacritic.data.sources import SyntheticRollouts
-from megacritic.hf.checkpoint import Checkpoint, CheckpointSource
+from megacritic.hf.safetensors_reader import SafetensorsFolder, SafetensorsSource
 from megacritic.model.value_model import padded_vocab_size
 from megacritic.model.weights import hf_from_megatron, hf_shapes, megatron_tensor, seeded_initializer
 
@@ -206,7 +206,7 @@ def test_unknown_checkpoint_tensor_is_refused(hf_models, tmp_path):
     tensors["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(80)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="model.layers.0.mlp.gate_proj.bias"):
-        CheckpointSource(_config(folder).model, 0)
+        SafetensorsSource(_config(folder).model, 0)
 
 
 def test_llama3_rope_scaling_matches_transformers_exactly():
@@ -260,7 +260,7 @@ def test_export_layout_inverts_import_layout(tp, bias, qk_norm):
 
 
 def test_checkpoint_reads_slices_of_sharded_files(hf_models):
-    ckpt = Checkpoint(hf_models["qwen3"])
+    ckpt = SafetensorsFolder(hf_models["qwen3"])
     assert len(set(ckpt.files.values())) > 1  # really sharded
     whole = _tensors(hf_models["qwen3"])
     name = "model.layers.2.self_attn.o_proj.weight"
@@ -269,7 +269,7 @@ def test_checkpoint_reads_slices_of_sharded_files(hf_models):
     assert torch.equal(ckpt.read(name, 0, 5, 9), whole[name][5:9])
     # a TP rank's shard of the fused QKV, read by slices, equals the one cut from full tensors
     model = _config(hf_models["qwen3"], "from_checkpoint").model
-    source = CheckpointSource(model, 0)
+    source = SafetensorsSource(model, 0)
     for rank in range(2):
         sliced = megatron_tensor("decoder.layers.0.self_attention.linear_qkv.weight", 2, source, model, rank, 2, 68)
         cut = megatron_tensor("decoder.layers.0.self_attention.linear_qkv.weight", 2, lambda n: source(n), model,
@@ -281,7 +281,7 @@ def test_checkpoint_reads_slices_of_sharded_files(hf_models):
 
 
 def _head(folder, head, seed=0):
-    return CheckpointSource(_config(folder, head).model, seed).head
+    return SafetensorsSource(_config(folder, head).model, seed).head
 
 
 def test_value_head_from_sequence_classification_reward_model(hf_models):
@@ -312,7 +312,7 @@ def test_value_head_from_one_row_lm_head(hf_models, tmp_path):
 
 def test_value_head_normal_and_zeros(hf_models):
     config = _config(hf_models["llama"], "normal", "model.value_head_init_std=0.5")
-    head = CheckpointSource(config.model, 7).head
+    head = SafetensorsSource(config.model, 7).head
     assert torch.equal(head["score.weight"], seeded_initializer(config.model, 7)("score.weight"))
     assert 0.3 < head["score.weight"].std().item() < 0.7
     zeros = _head(hf_models["llama"], "zeros")
@@ -406,7 +406,7 @@ def runs(hf_models, tmp_path_factory):
 
 
 def _source_head(name, folder, seed):
-    """The value head megacritic must start from, derived independently of CheckpointSource."""
+    """The value head megacritic must start from, derived independently of SafetensorsSource."""
     stored = _tensors(folder)
     if MODELS[name][1] == "from_checkpoint":
         return {"score.weight": stored["score.weight"], "score.bias": stored.get("score.bias", torch.zeros(1))}

@@ -1,4 +1,4 @@
-"""megacritic.model.layers against float64 references: SDPAttention (also context-parallel, with simulated
+"""megacritic.model.layers against float64 references: CoreAttention (also context-parallel, with simulated
 ranks), RoPE of packed micro-batches, RMSNorm, ValueHead.
 
 Building these modules needs only a Megatron TransformerConfig (no process group, no parallel state).
@@ -13,7 +13,7 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 
 from megacritic.config import MegatronConfig, tiny_model
-from megacritic.model.layers import RMSNorm, SDPAttention, ValueHead, apply_rotary
+from megacritic.model.layers import RMSNorm, CoreAttention, ValueHead, apply_rotary
 from megacritic.model.value_model import transformer_config
 from megacritic.parallel import ParallelLayout
 
@@ -35,7 +35,7 @@ def config_bf16():
 
 
 # --------------------------------------------------------------------------------------------------
-# SDPAttention
+# CoreAttention
 
 
 def _reference_attention(q, k, v, scale=None):
@@ -65,7 +65,7 @@ def test_sdpa_attention_matches_naive_reference(config, heads, groups, softmax_s
     q = torch.randn(s, b, heads, d, generator=gen)
     k = torch.randn(s, b, groups, d, generator=gen)
     v = torch.randn(s, b, groups, d, generator=gen)
-    attn = SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+    attn = CoreAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
                         softmax_scale=softmax_scale)
     out = attn(q, k, v, attention_mask=None)
     assert out.shape == (s, b, heads * d)
@@ -82,7 +82,7 @@ def test_sdpa_attention_gqa_head_order_matters(config):
     q = torch.randn(s, b, 4, d, generator=gen)
     k = torch.randn(s, b, 2, d, generator=gen)
     v = torch.randn(s, b, 2, d, generator=gen)
-    attn = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    attn = CoreAttention(config, 1, AttnMaskType.causal, "self")
     out = attn(q, k, v, None).reshape(s, b, 4, d)
     swapped = attn(q, k.flip(2), v.flip(2), None).reshape(s, b, 4, d)
     assert not torch.allclose(out[:, :, :2], swapped[:, :, :2])
@@ -95,7 +95,7 @@ def test_sdpa_attention_is_causal(config):
     s, b, h, d = 6, 2, 2, 4
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(s, b, h, d, generator=gen) for _ in range(3))
-    attn = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    attn = CoreAttention(config, 1, AttnMaskType.causal, "self")
     out = attn(q, k, v, None)
     k2, v2 = k.clone(), v.clone()
     k2[-1] += 10.0
@@ -109,7 +109,7 @@ def test_sdpa_attention_is_causal(config):
 def test_sdpa_attention_packed_equals_each_sequence_alone(config, heads, groups):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    attn = SDPAttention(config, 1, AttnMaskType.causal, "self")
+    attn = CoreAttention(config, 1, AttnMaskType.causal, "self")
     lens, d = [5, 1, 9, 3], 8
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     t = int(cu[-1])
@@ -151,7 +151,7 @@ def simulate_context_parallel(attn, q, k, v, cu, cp):
 @pytest.mark.parametrize("heads,groups", [(4, 2), (4, 4)])
 def test_context_parallel_attention_matches_causal_attention(config, cp, heads, groups):
     """Output and gradients of q, k and v equal plain causal attention over each rollout (in float64)."""
-    attn = SDPAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=0.3)
+    attn = CoreAttention(config, 1, AttnMaskType.causal, "self", softmax_scale=0.3)
     spans = [2 * cp * n for n in (1, 3, 2, 5)]  # rollouts padded to multiples of 2 x CP (megacritic.packing.micro_batches)
     cu = torch.tensor([0, *torch.tensor(spans).cumsum(0).tolist()])
     t, d = int(cu[-1]), 8
@@ -182,7 +182,7 @@ def test_context_parallel_attention_matches_causal_attention(config, cp, heads, 
 
 
 # --------------------------------------------------------------------------------------------------
-# RoPE of packed micro-batches (applied by SDPAttention)
+# RoPE of packed micro-batches (applied by CoreAttention)
 
 
 def _pack_rotary(lens, d, base=10000.0):
@@ -341,10 +341,10 @@ def test_attention_impl_is_resolved_at_build_and_reported(config, config_bf16):
 
     # On the CPU (and in float32) every choice but fa4 is the exact per-rollout SDPA loop ...
     for impl in ("auto", "fa2", "sdpa"):
-        assert SDPAttention(config_bf16, 1, AttnMaskType.causal, "self", attention_impl=impl).impl == "sdpa"
+        assert CoreAttention(config_bf16, 1, AttnMaskType.causal, "self", attention_impl=impl).impl == "sdpa"
     assert resolve_attention_impl("fa2", torch.float32, on_gpu=True) == "sdpa"
     # ... and fa4 asked for by name is an error naming the setting and the fix, raised at build.
     with pytest.raises(ConfigError, match=r"model.attention_impl=fa4.*pip install megacritic\[hopper\]"):
-        SDPAttention(config, 1, AttnMaskType.causal, "self", attention_impl="fa4")
-    chunk = torch.nn.ModuleList([SDPAttention(config, 1, AttnMaskType.causal, "self")])
+        CoreAttention(config, 1, AttnMaskType.causal, "self", attention_impl="fa4")
+    chunk = torch.nn.ModuleList([CoreAttention(config, 1, AttnMaskType.causal, "self")])
     assert attention_impl_of([chunk]) == "sdpa"

@@ -159,7 +159,7 @@ def test_expert_layout_needs_the_world_size():
 
 
 def test_checkpoint_resumes_only_on_the_same_side_of_ep_1(tmp_path):
-    from megacritic.checkpoint import MANIFEST, TRAINER_STATE
+    from megacritic.checkpoint import MANIFEST, TRAINER_STATE, check_expert_layout, open_checkpoint
     folder = tmp_path / "step_00000002"
     folder.mkdir()
     state = json.dumps({"config": {"megatron": {"expert_model_parallel_size": 2}}})
@@ -167,9 +167,10 @@ def test_checkpoint_resumes_only_on_the_same_side_of_ep_1(tmp_path):
     import hashlib
     (folder / MANIFEST).write_text(json.dumps({"step": 2, "files": {TRAINER_STATE: {
         "bytes": len(state), "sha256": hashlib.sha256(state.encode()).hexdigest()}}}))
-    CriticWorker(load_config([*MOE, "megatron.expert_model_parallel_size=4"]))._check_expert_layout(str(folder))
+    opened = open_checkpoint(str(folder))
+    check_expert_layout(opened, load_config([*MOE, "megatron.expert_model_parallel_size=4"]))
     with pytest.raises(ConfigError, match="megatron.expert_model_parallel_size"):
-        CriticWorker(load_config(MOE))._check_expert_layout(str(folder))
+        check_expert_layout(opened, load_config(MOE))
 
 
 def test_export_family_refusals():
@@ -241,15 +242,15 @@ def test_seeded_moe_export_loads_in_transformers_and_frozen_routers_stay(tmp_pat
     worker = CriticWorker(config)
     worker.init_model()
     try:
-        routers = {n: p.detach().clone() for n, p in worker.critic.model[0].module.named_parameters()
+        routers = {n: p.detach().clone() for n, p in worker.state.model[0].module.named_parameters()
                    if n.endswith("router.weight")}
         assert len(routers) == 2 and not any(p.requires_grad for n, p in
-                                             worker.critic.model[0].module.named_parameters() if n in routers)
+                                             worker.state.model[0].module.named_parameters() if n in routers)
         batch = SyntheticRollouts(config).batch(0)
         batch["values"] = worker.compute_values(batch)
         worker.update_critic(batch)
         values = worker.compute_values(batch)
-        for n, p in worker.critic.model[0].module.named_parameters():
+        for n, p in worker.state.model[0].module.named_parameters():
             if n in routers:
                 assert torch.equal(p, routers[n]), n
         worker.export_hf(str(tmp_path / "out"))

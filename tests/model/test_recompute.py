@@ -24,10 +24,10 @@ def _run(extra):
         batch["values"] = values
         metrics = worker.update_critic(batch)
         # After the call the gradient buffers still hold the last mini-batch's gradients.
-        params = [p for chunk in worker.critic.model for p in chunk.parameters()]
+        params = [p for chunk in worker.state.model for p in chunk.parameters()]
         grads = [p.main_grad.clone() for p in params]
         weights = [p.detach().clone() for p in params]
-        config = worker.critic.model[0].config
+        config = worker.state.model[0].config
         recompute = (config.recompute_granularity, config.recompute_method, list(config.recompute_modules))
         return values, metrics, grads, weights, recompute
     finally:
@@ -86,13 +86,13 @@ def test_shared_expert_recompute_matches_to_float32_rounding():
         assert float((g - ref).norm()) <= 1e-5 * float(ref.norm()) + 1e-12
 
 
-def test_recompute_refuses_modules_our_layers_lack():
+@pytest.mark.parametrize("modules", ["[moe_act]", "[layernorm]", "[]"])
+def test_recompute_refuses_modules_our_layers_lack(modules):
     with pytest.raises(ConfigError, match="megatron.recompute_modules"):
-        recompute_options(MegatronConfig(recompute_granularity="selective", recompute_modules=["moe_act"]))
-    with pytest.raises(ConfigError, match="megatron.recompute_modules"):
-        recompute_options(MegatronConfig(recompute_granularity="selective", recompute_modules=["layernorm"]))
-    with pytest.raises(ConfigError, match="megatron.recompute_modules"):
-        recompute_options(MegatronConfig(recompute_granularity="selective", recompute_modules=[]))
+        load_config(BASE + ["megatron.recompute_granularity=selective", f"megatron.recompute_modules={modules}"])
+
+
+def test_recompute_options_off():
     assert recompute_options(MegatronConfig()) == {}
 
 

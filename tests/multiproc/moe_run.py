@@ -29,7 +29,7 @@ BASE = ["model.dtype=float32", "data.rollouts_per_step=12", "ppo_mini_batch_size
 def _router_sum(worker) -> float:
     """Sum of every router weight of the model (over pipeline stages, for a freeze check)."""
     total = torch.zeros((), dtype=torch.float64)
-    for chunk in worker.critic.model:
+    for chunk in worker.state.model:
         for name, param in chunk.module.named_parameters():
             if name.endswith("mlp.router.weight"):
                 total += param.detach().double().abs().sum().cpu()

@@ -1,5 +1,8 @@
-"""Configuration: the schema and its pure checks (:mod:`.schema`), named models (:mod:`.presets`), and
-:func:`load_config` (:mod:`.load`: defaults < base < YAML < overrides, then ``model.path``'s config.json)."""
+"""Configuration: the schema and its pure checks (:mod:`.schema`) and named models (:mod:`.presets`).
+
+:func:`megacritic.load_config` (:mod:`.load`: defaults < base < YAML < overrides, then ``model.path``'s
+config.json) reads files through :mod:`megacritic.hf`, whose modules use the schema: it is not imported
+here, so that the package imports nothing that imports it back."""
 
 from megacritic.config.presets import TINY_MODEL, TINY_MODEL_OVERRIDES, tiny_model
 from megacritic.config.schema import (  # noqa: F401  (the public names of the package)
@@ -10,15 +13,6 @@ from megacritic.config.schema import (  # noqa: F401  (the public names of the p
     moe_layer_pattern, shared_expert_size, to_dict, validate, with_defaults)
 
 
-def __getattr__(name: str):
-    # load_config reads model.path's config.json through megacritic.hf, whose modules read the schema from
-    # this package: it is bound on first use, so that they import in any order (no import cycle).
-    if name == "load_config":
-        from megacritic.config.load import load_config
-        return load_config
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "MegatronConfig", "ModelConfig",
-           "OptimConfig", "TINY_MODEL", "TINY_MODEL_OVERRIDES", "TrainerConfig", "load_config", "tiny_model",
+           "OptimConfig", "TINY_MODEL", "TINY_MODEL_OVERRIDES", "TrainerConfig", "tiny_model",
            "to_dict", "validate"]

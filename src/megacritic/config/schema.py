@@ -21,6 +21,12 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 ATTENTION_IMPLS = ("auto", "fa4", "fa2", "sdpa")
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+# Megatron's selective-recompute modules that work with our layer spec: our core attention is recomputed
+# through Megatron's own checkpoint of core_attn (its inputs are q / k / v, the pack travels by closure).
+# Not these: moe_act needs Megatron's grouped GEMM (Transformer Engine), which our GroupedExperts replace;
+# layernorm goes through megatron-core 0.16.1's CheckpointWithoutOutput, which calls Transformer Engine's
+# FP8 state even without FP8 (its ``fp8 is not None`` is true for the default fp8=False): NameError.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
 SCHEDULE_UNITS = ("step", "call")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -482,7 +488,7 @@ def _check_architecture(m: ModelConfig) -> None:
         positive(f"model.{key}", getattr(m, key))
 
 
-def _check_schedule(o: "OptimConfig") -> None:
+def _check_lr_schedule(o: "OptimConfig") -> None:
     if o.schedule_unit not in SCHEDULE_UNITS:
         fail("optim.schedule_unit", o.schedule_unit, f"choose one of {', '.join(SCHEDULE_UNITS)}")
     if o.lr_decay_style not in LR_DECAY_STYLES:
@@ -605,8 +611,21 @@ def validate(config: CriticConfig) -> None:
                 fail("megatron.recompute_method", mg.recompute_method,
                      f"recompute_granularity=full needs one of {', '.join(RECOMPUTE_METHODS)}")
             positive("megatron.recompute_num_layers", mg.recompute_num_layers)
+        else:
+            modules = list(mg.recompute_modules)
+            if not modules or any(module not in RECOMPUTE_MODULES for module in modules):
+                raise ConfigError(
+                    f"megatron.recompute_modules={modules}: with recompute_granularity=selective choose from "
+                    f"{', '.join(RECOMPUTE_MODULES)} (without Transformer Engine, Megatron cannot recompute "
+                    "layernorm or moe_act alone; mlp and moe recompute the blocks they feed)")
     if not 0 < mg.optimizer_offload_fraction <= 1:
         fail("megatron.optimizer_offload_fraction", mg.optimizer_offload_fraction, "must lie in (0, 1]")
+    if mg.optimizer_cpu_offload and not mg.use_distributed_optimizer:
+        raise ConfigError("megatron.optimizer_cpu_offload=true needs megatron.use_distributed_optimizer=true "
+                          "(Megatron's hybrid device optimizer runs inside its distributed optimizer)")
+    if mg.optimizer_cpu_offload and mg.optimizer_offload:
+        raise ConfigError("megatron.optimizer_offload=true and megatron.optimizer_cpu_offload=true both move the "
+                          "optimizer state to the host: choose one (optimizer_cpu_offload keeps it there)")
 
     if not o.lr > 0:
         fail("optim.lr", o.lr, "must be positive")
@@ -618,4 +637,4 @@ def validate(config: CriticConfig) -> None:
         fail("optim.betas", o.betas, "must be two numbers in [0, 1)")
     if o.clip_grad < 0:
         fail("optim.clip_grad", o.clip_grad, "must be non-negative (0 disables clipping)")
-    _check_schedule(o)
+    _check_lr_schedule(o)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from megacritic.data.rollouts import BatchError, seeded_permutation
+from megacritic.data.rollouts import BatchError, seeded_permutation, verl_batch
 
 __all__ = ["read_rollouts", "write_rollouts", "validate_row", "to_batch", "batch_indices", "iterate_batches"]
 
@@ -196,31 +196,21 @@ def to_batch(rows: Sequence[dict], prompt_width: int | None = None, response_wid
     p = prompt_width if prompt_width is not None else p
     r = response_width if response_width is not None else r
     b = len(rows)
-    input_ids = torch.full((b, p + r), pad_id, dtype=torch.int64)
-    attention_mask = torch.zeros(b, p + r, dtype=torch.int64)
+    tokens = torch.full((b, p + r), pad_id, dtype=torch.int64)
     rewards = torch.zeros(b, r, dtype=torch.float32)
     with_values = all("values" in row for row in rows)
     values = torch.zeros(b, r, dtype=torch.float32)
     for i, row in enumerate(rows):
         prompt, response = row["prompt_ids"], row["response_ids"]
         lp, lr = len(prompt), len(response)
-        input_ids[i, p - lp:p] = torch.tensor(prompt, dtype=torch.int64)
-        input_ids[i, p:p + lr] = torch.tensor(response, dtype=torch.int64)
-        attention_mask[i, p - lp:p + lr] = 1
+        tokens[i, p - lp:p] = torch.tensor(prompt, dtype=torch.int64)
+        tokens[i, p:p + lr] = torch.tensor(response, dtype=torch.int64)
         rewards[i, :lr] = torch.tensor(row["token_rewards"], dtype=torch.float32)
         if with_values:
             values[i, :lr] = torch.tensor(row["values"], dtype=torch.float32)
-    out = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
-        "responses": input_ids[:, p:].clone(),
-        "response_mask": attention_mask[:, p:].to(torch.float32),
-        "token_level_rewards": rewards,
-    }
-    if with_values:
-        out["values"] = values
-    return TensorDict(out, batch_size=[b])
+    lengths = [torch.tensor([len(row[key]) for row in rows]) for key in ("prompt_ids", "response_ids")]
+    return verl_batch(tokens, *lengths, prompt_width=p, pad_id=pad_id, token_level_rewards=rewards,
+                      **({"values": values} if with_values else {}))
 
 
 def batch_indices(n: int, batch_size: int, seed: int | None, epoch: int) -> list[list[int]]:

@@ -75,6 +75,24 @@ def to_tensordict(data) -> TensorDict:
                      f"got {type(data).__name__}")
 
 
+def verl_batch(tokens: Tensor, prompt_lens: Tensor, response_lens: Tensor, prompt_width: int, pad_id: int = 0,
+               **per_response_token: Tensor) -> TensorDict:
+    """The one builder of verl's padded layout: rollout i has ``prompt_lens[i]`` prompt tokens ending at column
+    ``prompt_width`` (left-padded) and ``response_lens[i]`` response tokens from there (right-padded) in the
+    [B, T] grid ``tokens``, whose other entries are replaced by ``pad_id``. ``per_response_token``: [B, R]
+    tensors added as they are (``returns``, ``values``, ``token_level_rewards`` ...)."""
+    cols = torch.arange(tokens.shape[1])
+    attention_mask = ((cols[None, :] >= (prompt_width - prompt_lens)[:, None])
+                      & (cols[None, :] < (prompt_width + response_lens)[:, None])).long()
+    input_ids = torch.where(attention_mask.bool(), tokens, torch.full_like(tokens, pad_id))
+    return TensorDict({"input_ids": input_ids,
+                       "attention_mask": attention_mask,
+                       "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+                       "responses": input_ids[:, prompt_width:].clone(),
+                       "response_mask": attention_mask[:, prompt_width:].to(torch.float32),
+                       **per_response_token}, batch_size=[tokens.shape[0]])
+
+
 def _rows(bad: Tensor, limit: int = 8) -> str:
     rows = bad.nonzero().flatten().tolist()
     more = f" (and {len(rows) - limit} more)" if len(rows) > limit else ""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from megacritic.data.rollouts import BatchError
+from megacritic.data.rollouts import BatchError, verl_batch
 from megacritic.config import CriticConfig
 from megacritic.data.rollout_file import batch_indices, read_rollouts, to_batch
 
@@ -39,24 +39,13 @@ class SyntheticRollouts:
         p_len = torch.randint(p_lo, p_hi + 1, (b,), generator=gen)
         r_len = torch.randint(r_lo, r_hi + 1, (b,), generator=gen)
         tokens = torch.randint(0, self.vocab_size, (b, p_hi + r_hi), generator=gen)
-        cols_p, cols_r = torch.arange(p_hi), torch.arange(r_hi)
-        prompt_mask = cols_p[None, :] >= (p_hi - p_len)[:, None]      # left-padded
-        response_mask = cols_r[None, :] < r_len[:, None]               # right-padded
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
-        input_ids = tokens * attention_mask
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-
+        batch = verl_batch(tokens, p_len, r_len, prompt_width=p_hi)
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
         rewards = self.token_reward[input_ids] * attention_mask
         prefix_sum = rewards.cumsum(1) - rewards        # rewards strictly before each position
         prefix_len = attention_mask.cumsum(1) - attention_mask
-        returns = (prefix_sum / prefix_len.clamp(min=1))[:, p_hi:] * response_mask
-        return TensorDict({
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "responses": input_ids[:, p_hi:],
-            "returns": returns.float(),
-        }, batch_size=[b])
+        batch["returns"] = ((prefix_sum / prefix_len.clamp(min=1))[:, p_hi:] * batch["response_mask"]).float()
+        return batch
 
 
 class FileRollouts:

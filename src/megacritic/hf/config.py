@@ -22,7 +22,7 @@ import torch
 from megacritic.config.schema import (LLAMA3_ROPE_CONSTANTS, MOE_MODEL_TYPES, ConfigError, ModelConfig,
                                       check_rope_scaling, expert_ffn_size, fail, head_dim, hf_family, is_moe,
                                       moe_layer_pattern, shared_expert_size)
-from megacritic.hf.checkpoint import Checkpoint, value_head_names
+from megacritic.hf.safetensors_reader import SafetensorsFolder, value_head_names
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
             "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral"}
@@ -214,7 +214,7 @@ def resolve(model: ModelConfig) -> ModelConfig:
     resolved = dataclasses.replace(model, **fields)
     classifier = any(a.endswith(("ForTokenClassification", "ForSequenceClassification"))
                      for a in cfg.architectures or [])
-    ckpt = Checkpoint(model.path)  # no safetensors is refused now, not at init_model (reads the index only)
+    ckpt = SafetensorsFolder(model.path)  # no safetensors is refused now, not at init_model (reads the index only)
     if model.value_head_init == "from_checkpoint":
         if classifier and cfg.num_labels != 1:
             fail(_in_file(model.path, "num_labels"), cfg.num_labels,

@@ -9,24 +9,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megacritic.config import ModelConfig
+from megacritic.config.schema import ModelConfig
 from megacritic.hf.config import export_config, export_family
 from megacritic.model.weights import hf_from_megatron, hf_shapes, param_layer
+from megacritic.parallel import ProcessGroups, Ranks
 
-def _gather_expert(name: str, local: torch.Tensor, model: ModelConfig) -> list[tuple[str, list[torch.Tensor]]]:
+
+def _gather_expert(name: str, local: torch.Tensor, model: ModelConfig, ranks: Ranks,
+                   groups: ProcessGroups) -> list[tuple[str, list[torch.Tensor]]]:
     """Routed-expert parameter ``name`` (local expert index) of every EP rank: (its name with the global expert
     index, its pieces on the expert TP ranks). Collective over this rank's expert TP and EP groups."""
-    from megatron.core import parallel_state as mpu
-    etp, ep = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
+    etp, ep = ranks.experts.etp_size, ranks.experts.ep_size
     pieces = torch.stack([local])
     if etp > 1:
         parts = [torch.empty_like(local) for _ in range(etp)]
-        dist.all_gather(parts, local.contiguous(), group=mpu.get_expert_tensor_parallel_group())
+        dist.all_gather(parts, local.contiguous(), group=groups.expert_tp)
         pieces = torch.stack(parts)
     per_rank = [pieces]
     if ep > 1:
         per_rank = [torch.empty_like(pieces) for _ in range(ep)]
-        dist.all_gather(per_rank, pieces, group=mpu.get_expert_model_parallel_group())
+        dist.all_gather(per_rank, pieces, group=groups.expert_ep)
     parts = name.split(".")
     at = parts.index("local_experts") + 1
     local_index, per_ep = int(parts[at]), model.num_experts // ep
@@ -38,22 +40,21 @@ def _gather_expert(name: str, local: torch.Tensor, model: ModelConfig) -> list[t
 
 
 @torch.no_grad()
-def export_hf(chunks: list, model: ModelConfig, out_dir: str | Path, dtype: torch.dtype | None = None) -> None:
+def export_hf(chunks: list, model: ModelConfig, out_dir: str | Path, ranks: Ranks, groups: ProcessGroups,
+              tp: int, dtype: torch.dtype | None = None) -> None:
     """Write the critic as a Hugging Face ``*ForTokenClassification`` folder (config.json + safetensors).
 
     Collective: every rank of the world calls it. Each pipeline stage's tensors are gathered over TP on its
     first data-parallel replica, then sent stage by stage to global rank 0, which writes one safetensors
     shard per stage (one file for PP = 1). Memory on rank 0 is bounded by one stage's full tensors.
-    ``chunks`` may be DDP-wrapped; ``dtype`` defaults to the parameters' dtype.
+    ``chunks`` may be DDP-wrapped; ``tp``: the tensor-parallel size; ``dtype`` defaults to the parameters' dtype.
     """
-    from megatron.core import parallel_state as mpu
     from safetensors.torch import save_file
 
     export_family(model)  # refuse on every rank before any collective
     chunks = [getattr(chunk, "module", chunk) for chunk in chunks]
-    tp, tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
-    first_replica = mpu.get_data_parallel_rank() == 0
-    writer = first_replica and mpu.get_tensor_model_parallel_rank() == 0
+    first_replica = ranks.dp_rank == 0
+    writer = first_replica and ranks.tp_rank == 0
     rank = dist.get_rank()
     device = next(chunks[0].parameters()).device
     dtype = dtype or next(chunks[0].parameters()).dtype
@@ -61,14 +62,14 @@ def export_hf(chunks: list, model: ModelConfig, out_dir: str | Path, dtype: torc
     # 1. This stage's full tensors, gathered over its TP group; routed experts over expert TP, then EP (the
     #    writer is the first rank of its stage, so it is also the first expert replica).
     tensors: dict[str, torch.Tensor] = {}
-    first_expert_replica = mpu.get_expert_data_parallel_rank() == 0
+    first_expert_replica = ranks.expert_dp_rank == 0
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             layer = param_layer(chunk, name)
             if ".experts.local_experts." in name:
                 if not first_expert_replica:
                     continue
-                for global_name, pieces in _gather_expert(name, param.data, model):
+                for global_name, pieces in _gather_expert(name, param.data, model, ranks, groups):
                     if writer:
                         for hf_name, t in hf_from_megatron(global_name, layer, pieces, model).items():
                             tensors[hf_name] = t.to(dtype).contiguous()
@@ -78,7 +79,7 @@ def export_hf(chunks: list, model: ModelConfig, out_dir: str | Path, dtype: torc
             pieces = [param.data]
             if tp > 1:
                 pieces = [torch.empty_like(param.data) for _ in range(tp)]
-                dist.all_gather(pieces, param.data.contiguous(), group=tp_group)
+                dist.all_gather(pieces, param.data.contiguous(), group=groups.tp)
             if writer:
                 for hf_name, t in hf_from_megatron(name, layer, pieces, model).items():
                     tensors[hf_name] = t.to(dtype).contiguous()

@@ -1,7 +1,7 @@
 """Our modules that plug into Megatron-Core's GPT layer spec: core attention, RMSNorm, value head.
 
 Why our own:
-* ``SDPAttention``: Megatron's local ``DotProductAttention`` materialises the full score matrix; without
+* ``CoreAttention``: Megatron's local ``DotProductAttention`` materialises the full score matrix; without
   Transformer Engine it measured 3.8x slower with 4.5x the memory of SDPA on an H200 (design notes).
   Megatron's context parallelism also lives in Transformer Engine's attention, so ours provides it.
 * ``RMSNorm``: Megatron's torch-norm wrapper refuses sequence parallelism. Ours marks its weight
@@ -93,8 +93,8 @@ def resolve_attention_impl(requested: str, dtype: torch.dtype, on_gpu: bool, hea
 
 
 def attention_impl_of(chunks) -> str | None:
-    """The attention kernel of packed micro-batches in these model chunks (e.g. ``critic.model``)."""
-    impls = sorted({m.impl for chunk in chunks for m in chunk.modules() if isinstance(m, SDPAttention)})
+    """The attention kernel of packed micro-batches in these model chunks (e.g. ``CriticWorker.state.model``)."""
+    impls = sorted({m.impl for chunk in chunks for m in chunk.modules() if isinstance(m, CoreAttention)})
     return ",".join(impls) or None
 
 
@@ -102,7 +102,7 @@ def _param_device(config) -> torch.device:
     return torch.device("cpu") if config.use_cpu_initialization else torch.device("cuda", torch.cuda.current_device())
 
 
-class SDPAttention(MegatronModule):
+class CoreAttention(MegatronModule):
     """Causal (GQA) attention, for padded micro-batches [s, b, heads, d] and packed ones ([t, 1, heads, d]
     or THD [t, heads, d]).
 

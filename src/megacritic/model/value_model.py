@@ -12,7 +12,6 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
@@ -29,9 +28,9 @@ from megatron.core.transformer.transformer_layer import (TransformerLayer, Trans
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megacritic.compat.kernels import weight_grad_accumulation_available
-from megacritic.config import (ConfigError, MegatronConfig, ModelConfig, expert_ffn_size, head_dim, is_moe,
-                               moe_layer_pattern, shared_expert_size)
-from megacritic.model.layers import GroupedExperts, RMSNorm, SDPAttention, ValueHead
+from megacritic.config.schema import (MegatronConfig, ModelConfig, expert_ffn_size, head_dim, is_moe,
+                                      moe_layer_pattern, shared_expert_size)
+from megacritic.model.layers import GroupedExperts, RMSNorm, CoreAttention, ValueHead
 from megacritic.parallel import ParallelLayout
 
 def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
@@ -73,14 +72,6 @@ def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
     )
 
 
-# Megatron's selective-recompute modules that work with our layer spec: our core attention is recomputed
-# through Megatron's own checkpoint of core_attn (its inputs are q / k / v, the pack travels by closure).
-# Not these: moe_act needs Megatron's grouped GEMM (Transformer Engine), which our GroupedExperts replace;
-# layernorm goes through megatron-core 0.16.1's CheckpointWithoutOutput, which calls Transformer Engine's
-# FP8 state even without FP8 (its ``fp8 is not None`` is true for the default fp8=False): NameError.
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts")
-
-
 def recompute_options(megatron: MegatronConfig | None) -> dict:
     """TransformerConfig fields of Megatron's activation recompute (megatron.recompute_*); {} when off."""
     if megatron is None or megatron.recompute_granularity is None:
@@ -88,13 +79,8 @@ def recompute_options(megatron: MegatronConfig | None) -> dict:
     if megatron.recompute_granularity == "full":
         return dict(recompute_granularity="full", recompute_method=megatron.recompute_method,
                     recompute_num_layers=megatron.recompute_num_layers)
-    modules = list(megatron.recompute_modules)
-    unsupported = [m for m in modules if m not in RECOMPUTE_MODULES]
-    if unsupported or not modules:
-        raise ConfigError(f"megatron.recompute_modules={modules}: with recompute_granularity=selective choose "
-                          f"from {', '.join(RECOMPUTE_MODULES)} (without Transformer Engine, Megatron cannot "
-                          "recompute layernorm or moe_act alone; mlp and moe recompute the blocks they feed)")
-    return dict(recompute_granularity="selective", recompute_modules=modules)
+    # (the modules were checked by megacritic.config.validate: RECOMPUTE_MODULES)
+    return dict(recompute_granularity="selective", recompute_modules=list(megatron.recompute_modules))
 
 
 def transformer_config(model: ModelConfig, layout: ParallelLayout, *, dtype: torch.dtype, on_cpu: bool,
@@ -191,7 +177,7 @@ def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused:
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(module=SDPAttention,
+                    core_attention=ModuleSpec(module=CoreAttention,
                                               params={"fused": fused, "attention_impl": attention_impl}),
                     linear_proj=RowParallelLinear,
                     q_layernorm=qk_norm,
@@ -279,16 +265,12 @@ class ValueModel(GPTModel):
         return (out[0], None, *out[2:])
 
 
-def build_value_model(model: ModelConfig, config: TransformerConfig) -> list[ValueModel]:
-    """This rank's model chunks (one per virtual pipeline stage), weights uninitialised."""
+def build_value_model(model: ModelConfig, config: TransformerConfig,
+                      chunk_roles: tuple[tuple[bool, bool], ...]) -> list[ValueModel]:
+    """This rank's model chunks, one per virtual pipeline stage, weights uninitialised. ``chunk_roles``: per
+    chunk, whether it holds the embedding and whether it holds the value head (:attr:`Ranks.chunk_roles`)."""
     vpp = config.virtual_pipeline_model_parallel_size or 1
-    chunks = []
-    for stage in range(vpp):
-        vp_stage = stage if vpp > 1 else None
-        chunks.append(ValueModel(
-            config, model,
-            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage,
-        ))
-    return chunks
+    if len(chunk_roles) != vpp:
+        raise ValueError(f"{len(chunk_roles)} chunk roles for {vpp} virtual pipeline stages")
+    return [ValueModel(config, model, pre_process=first, post_process=last, vp_stage=stage if vpp > 1 else None)
+            for stage, (first, last) in enumerate(chunk_roles)]

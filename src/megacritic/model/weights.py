@@ -4,7 +4,7 @@ Every weight is defined by its full (unsharded) tensor under its Hugging Face na
 (``model.layers.3.self_attn.q_proj.weight``, ``score.weight`` ...). A rank fills each of its Megatron
 parameters by slicing the full tensors it needs for its tensor-parallel rank, so the same model comes
 out for every TP / PP / VPP layout. A source of full tensors is a :class:`TensorSource`: ``full(name)``,
-and ``read_slice(name, dim, start, stop)``, with which a checkpoint (:mod:`megacritic.hf.checkpoint`) reads
+and ``read_slice(name, dim, start, stop)``, with which a checkpoint (:mod:`megacritic.hf.safetensors_reader`) reads
 only the rows of this rank's shard, so a rank reads no more than it holds. Random initialisation draws each
 full tensor from a generator seeded by (seed, name): a rank materialises only the tensors of its own stage,
 one at a time.
@@ -29,7 +29,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from megacritic.config import (ModelConfig, expert_ffn_size, head_dim, hf_family, moe_layer_pattern,
+from megacritic.config.schema import (ModelConfig, expert_ffn_size, head_dim, hf_family, moe_layer_pattern,
                                shared_expert_size)
 
 

@@ -1,5 +1,5 @@
 """The pack: the contract between micro-batching (:mod:`megacritic.packing.micro_batches`) and our attention
-(:class:`megacritic.model.layers.SDPAttention`), and the geometry of a pack's length."""
+(:class:`megacritic.model.layers.CoreAttention`), and the geometry of a pack's length."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import Tensor
 class Pack(PackedSeqParams):
     """A packed micro-batch: Megatron's boundaries (cu_seqlens, max_seqlen) and, set by
     :class:`megacritic.model.value_model.ValueModel` for its layers, each token's rotary cos / sin, which
-    :class:`SDPAttention` applies to queries and keys (positions restart at every rollout)."""
+    :class:`CoreAttention` applies to queries and keys (positions restart at every rollout)."""
 
     rotary: tuple[Tensor, Tensor] | None = None  # cos, sin: [t, 1, d] in the activations' dtype
 

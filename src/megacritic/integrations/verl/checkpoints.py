@@ -34,8 +34,8 @@ def load_latest(worker, local_path: str, hdfs_path=None) -> dict:
     from megacritic.checkpoint import CheckpointError, latest_checkpoint
     if hdfs_path is not None:
         raise ConfigError(f"hdfs_path={hdfs_path!r}: megacritic reads checkpoints from local_path only")
-    folder, skipped = latest_checkpoint(local_path)
-    if folder is None:
+    found, skipped = latest_checkpoint(local_path)  # opened and verified
+    if found is None:
         raise CheckpointError(f"no intact megacritic checkpoint under {local_path}"
                               + (f" ({'; '.join(skipped)})" if skipped else ""))
-    return worker.load_checkpoint(folder)
+    return worker.load_checkpoint(found)

@@ -11,7 +11,8 @@ import logging
 import os
 from typing import Any, Callable, NamedTuple
 
-from megacritic.config import ConfigError, CriticConfig, load_config
+from megacritic.config import ConfigError, CriticConfig
+from megacritic.config.load import load_config
 
 log = logging.getLogger(__name__)
 

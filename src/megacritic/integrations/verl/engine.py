@@ -166,14 +166,14 @@ class MegacriticEngine(BaseEngine):
         tokens = torch.tensor([float(rollouts.response_mask.sum()), float(rollouts.seq_lens.sum())],
                               dtype=torch.float64)
         if layout.dp > 1:
-            dist.all_reduce(tokens, group=self.worker.data_parallel_group)
+            dist.all_reduce(tokens, group=self.worker.groups.dp)
         self._loss_finite = True
         if loss_function is not None:
             # verl's value_loss normalises over the global mini-batch from these (as verl's Megatron engine)
             tu.assign_non_tensor(data, batch_num_tokens=int(tokens[0]), dp_size=layout.dp)
         rows_of = _RowSelector(data)
         scale = 1.0 / (layout.dp * layout.cp)
-        dp_group = self.worker.data_parallel_group
+        dp_group = self.worker.groups.dp
 
         def loss(rows, vpreds):
             report = {"values": vpreds.detach()}
@@ -185,7 +185,7 @@ class MegacriticEngine(BaseEngine):
             report.update(loss=value.detach().item(), metrics=metrics)
             return value * scale, report
 
-        run = self.worker.forward_backward(rollouts, loss, forward_only, mini_batch_tokens=int(tokens[1]))
+        run = self.worker.forward_backward_batch(rollouts, loss, forward_only, mini_batch_tokens=int(tokens[1]))
         if not forward_only:
             # the same verdict on every rank: the losses live on the last pipeline stage
             bad = torch.tensor([0.0 if all(torch.isfinite(torch.tensor(o.get("loss", 0.0)))
@@ -229,7 +229,7 @@ class MegacriticEngine(BaseEngine):
         return self.worker.layout.dp
 
     def get_data_parallel_group(self):
-        return self.worker.data_parallel_group
+        return self.worker.groups.dp
 
     def is_mp_src_rank_with_outputs(self):
         return self.ranks.tp_rank == 0 and self.ranks.is_last_stage and self.ranks.cp_rank == 0

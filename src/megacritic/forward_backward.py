@@ -1,6 +1,6 @@
-"""The glue between the critic and Megatron-Core's pipeline schedule.
+"""The glue between the critic and Megatron-Core's pipeline schedule (``get_forward_backward_func``).
 
-:class:`Schedule` runs one rank's rollouts through ``get_forward_backward_func``: it plans and builds the
+:class:`ForwardBackward` runs one rank's rollouts through Megatron's forward-backward function: it plans and builds the
 micro-batches (:class:`~megacritic.packing.micro_batches.MicroBatchPolicy`), gives Megatron its
 ``forward_step`` and loss function (Megatron's contract: ``forward_step(data_iterator, model) -> (output,
 loss_func)``, ``loss_func(output) -> (loss, num_tokens, report)``) and the pipeline's shape arguments.
@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
-from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import (
     clear_aux_losses_tracker,
@@ -29,7 +28,7 @@ from megacritic.config import ModelConfig, moe_layer_pattern
 from megacritic.data.rollouts import Rollouts
 from megacritic.losses import value_loss_and_stats
 from megacritic.packing.micro_batches import MicroBatch, MicroBatchPolicy
-from megacritic.parallel import ParallelLayout, Ranks
+from megacritic.parallel import ParallelLayout, ProcessGroups, Ranks
 
 # Megatron-Core's timer names (with the log level it creates them at) -> our timing_s/* metric. The schedule's
 # "forward-backward" spans the whole schedule, transfers and gradient reduction included; the others are parts.
@@ -71,12 +70,12 @@ class StepTimers:
         return out
 
 
-def max_over_dp(value: int, layout: ParallelLayout) -> int:
+def max_over_dp(value: int, layout: ParallelLayout, groups: ProcessGroups) -> int:
     """The largest ``value`` over the data-parallel ranks (on the host, through the gloo group)."""
     if layout.dp == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group_gloo())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=groups.dp_gloo)
     return int(t.item())
 
 
@@ -94,11 +93,12 @@ class MoEAuxLoss:
     ``moe_aux_loss_coeff`` of that shared object.
     """
 
-    def __init__(self, model: list, model_config: ModelConfig, layout: ParallelLayout, device: torch.device):
+    def __init__(self, model: list, model_config: ModelConfig, layout: ParallelLayout, groups: ProcessGroups,
+                 device: torch.device):
         self.coeff = model_config.moe_aux_loss_coeff
         self.num_layers = model_config.num_hidden_layers
         self.moe_layers = sum(moe_layer_pattern(model_config))
-        self.layout, self.device = layout, device
+        self.layout, self.groups, self.device = layout, groups, device
         self.routers = [m for chunk in model for m in chunk.modules() if isinstance(m, TopKRouter)]
         for router in self.routers:
             router.calculate_per_token_loss = False
@@ -132,13 +132,13 @@ class MoEAuxLoss:
         if tracked is not None:
             values += tracked["values"].to(values)
         clear_aux_losses_tracker()
-        dist.all_reduce(values, group=mpu.get_pipeline_model_parallel_group())  # layers live on their stage
-        dist.all_reduce(values, group=mpu.get_tensor_model_parallel_group())  # each TP rank holds its share
-        dist.all_reduce(values, group=mpu.get_data_parallel_group())
+        dist.all_reduce(values, group=self.groups.pp)  # layers live on their stage
+        dist.all_reduce(values, group=self.groups.tp)  # each TP rank holds its share
+        dist.all_reduce(values, group=self.groups.dp)
         return float(values.sum()) / (self.moe_layers * num_micro_batches * self.layout.dp)
 
 
-# A caller's own loss (Schedule.run): (rows of the micro-batch, their values [rows, R]) -> (loss, report)
+# A caller's own loss (ForwardBackward.run): (rows of the micro-batch, their values [rows, R]) -> (loss, report)
 ExternalLoss = Callable[[list, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
@@ -152,17 +152,17 @@ class Pass:
     moe_aux_loss: float | None = None  # training passes of MoE models (MoEAuxLoss.value)
 
 
-class Schedule:
+class ForwardBackward:
     """Runs a rank's rollouts through Megatron's pipeline schedule: forward only (values) or forward and
     backward with gradient reduction (a training mini-batch, loss weights given)."""
 
     def __init__(self, model: list, policy: MicroBatchPolicy, layout: ParallelLayout, ranks: Ranks,
-                 model_config: ModelConfig, cliprange_value: float, timers: StepTimers | None = None):
-        self.model, self.policy, self.layout, self.ranks = model, policy, layout, ranks
+                 groups: ProcessGroups, model_config: ModelConfig, cliprange_value: float,
+                 timers: StepTimers | None = None):
+        self.model, self.policy, self.layout, self.ranks, self.groups = model, policy, layout, ranks, groups
         self.cliprange_value = cliprange_value
         self.timers = timers or StepTimers(None, 0)
-        self.moe = MoEAuxLoss(model, model_config, layout, ranks.device)
-        self._loss_fn: ExternalLoss | None = None  # the current run's external loss (run's ``loss``)
+        self.moe = MoEAuxLoss(model, model_config, layout, groups, ranks.device)
 
     def run(self, local: Rollouts, weights: torch.Tensor | None = None, mini_batch_tokens: int = 0,
             loss: "ExternalLoss | None" = None, forward_only: bool | None = None) -> Pass:
@@ -177,9 +177,8 @@ class Schedule:
         run backward."""
         if forward_only is None:
             forward_only = weights is None
-        self._loss_fn = loss
         start = time.perf_counter()
-        parts = self.policy.plan(local.seq_lens, forward_only, partial(max_over_dp, layout=self.layout))
+        parts = self.policy.plan(local.seq_lens, forward_only, partial(max_over_dp, layout=self.layout, groups=self.groups))
         micro_batches = self.policy.build(local, parts, weights=weights, device=self.ranks.device,
                                           cp_rank=self.ranks.cp_rank)
         data_seconds = time.perf_counter() - start
@@ -191,7 +190,7 @@ class Schedule:
         # each micro-batch travels with its rows of ``local`` (an external loss reads the caller's data by them)
         iterators = [iter(list(zip(micro_batches, parts))) for _ in self.model]
         outputs = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, forward_only),
+            forward_step_func=partial(self._forward_step, forward_only, loss),
             data_iterator=iterators if len(self.model) > 1 else iterators[0],
             model=self.model,
             num_microbatches=len(micro_batches),
@@ -202,7 +201,7 @@ class Schedule:
         aux = None if forward_only else self.moe.value(len(parts))
         return Pass(parts, outputs, data_seconds, aux)
 
-    def _forward_step(self, forward_only: bool, data_iterator, model):
+    def _forward_step(self, forward_only: bool, loss: "ExternalLoss | None", data_iterator, model):
         mb, rows = next(data_iterator)
         # Rotary positions restart at 0 for each rollout (left-aligned rows, or position_ids when packed);
         # causal attention within a row or a packed rollout needs no attention mask.
@@ -212,7 +211,7 @@ class Schedule:
             kwargs["padding_mask"] = self._padding_mask(mb, model)
         output = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
                        packed_seq_params=mb.packed, **kwargs)
-        return output, partial(self._loss, mb, rows, forward_only)
+        return output, partial(self._loss, mb, rows, forward_only, loss)
 
     def _padding_mask(self, mb: MicroBatch, model) -> torch.Tensor:
         """MoE routers leave padding out of their load-balancing statistics. GPTModel cuts the mask to this TP
@@ -224,16 +223,18 @@ class Schedule:
             mask = mask[:, rank * shard:(rank + 1) * shard]
         return mask
 
-    def _loss(self, mb: MicroBatch, rows: list[int], forward_only: bool, output: torch.Tensor):
+    def _loss(self, mb: MicroBatch, rows: list[int], forward_only: bool, external: "ExternalLoss | None",
+              output: torch.Tensor):
         vpreds = output.reshape(-1)[mb.value_index]  # [b, R] float32
         one = torch.ones((), dtype=torch.int, device=output.device)
-        if self._loss_fn is not None:
+        if external is not None:
             vpreds = vpreds[: len(rows)] * mb.value_mask[: len(rows)]
             if self.layout.cp > 1:
                 # each context-parallel rank holds the values of its own chunks (zeros elsewhere): their sum
-                # is the whole, and its backward hands every rank the gradient of the values it holds
-                vpreds = dist_nn.all_reduce(vpreds, group=mpu.get_context_parallel_group())
-            loss, report = self._loss_fn(rows, vpreds)
+                # is the whole. Its backward sums the ranks' gradients too, so every CP rank computing the same
+                # loss gives each value CP x its gradient: the caller scales its loss by 1 / CP.
+                vpreds = dist_nn.all_reduce(vpreds, group=self.groups.cp)
+            loss, report = external(rows, vpreds)
             return loss, one, report
         if forward_only:
             return vpreds.sum() * 0, one, {"values": (vpreds * mb.value_mask).detach()}

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import torch
 
-from megacritic.config import ConfigError, ModelConfig
+from megacritic.config.schema import ConfigError, ModelConfig
 from megacritic.model.weights import TensorSource, hf_shapes, seeded_initializer
 
-# Checkpoint tensors the critic does not use: the LM head (replaced by the value head) and a classification
+# SafetensorsFolder tensors the critic does not use: the LM head (replaced by the value head) and a classification
 # head unless the value head starts from it (rotary tables that old checkpoints stored are skipped by name).
 _UNUSED_TENSORS = ("lm_head.weight", "lm_head.bias", "score.weight", "score.bias")
 
 
-class Checkpoint:
+class SafetensorsFolder:
     """The tensors of a local safetensors checkpoint (one file, or shards with an index), read lazily."""
 
     def __init__(self, folder: str | Path):
@@ -53,12 +53,12 @@ class Checkpoint:
         return self._handle(name).get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
 
 
-class CheckpointSource:  # a megacritic.model.weights.TensorSource
+class SafetensorsSource:  # a megacritic.model.weights.TensorSource
     """Full tensors (by value-model name, as :func:`hf_shapes`) from the checkpoint at model.path, plus the
     value head per model.value_head_init. Checks every name and shape up front, from headers only."""
 
     def __init__(self, model: ModelConfig, seed: int):
-        self.ckpt = ckpt = Checkpoint(model.path)
+        self.ckpt = ckpt = SafetensorsFolder(model.path)
         path = model.path
         # *ForCausalLM / *ForTokenClassification name the decoder "model."; a bare *Model saves without it.
         self.prefix = "model." if "model.embed_tokens.weight" in ckpt else ""
@@ -101,8 +101,8 @@ class CheckpointSource:  # a megacritic.model.weights.TensorSource
         return self.ckpt.read(self._stored(name), dim, start, stop)
 
 
-def value_head_names(ckpt: Checkpoint, model: ModelConfig) -> tuple[str, str | None]:
-    """Checkpoint names of the (weight, bias or None) a from_checkpoint value head starts from: a reward
+def value_head_names(ckpt: SafetensorsFolder, model: ModelConfig) -> tuple[str, str | None]:
+    """SafetensorsFolder names of the (weight, bias or None) a from_checkpoint value head starts from: a reward
     model's one-label ``score`` head, else a one-row ``lm_head``. Reads headers only."""
     h = model.hidden_size
     for head in ("score", "lm_head"):
@@ -121,5 +121,5 @@ def value_head_names(ckpt: Checkpoint, model: ModelConfig) -> tuple[str, str | N
 def weight_source(model: ModelConfig, seed: int) -> TensorSource:
     """The full tensors a run starts from: the checkpoint at model.path, else the seeded initialisation."""
     if model.path is not None:
-        return CheckpointSource(model, seed)
+        return SafetensorsSource(model, seed)
     return seeded_initializer(model, seed)
