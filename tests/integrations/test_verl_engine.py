@@ -40,6 +40,7 @@ from megacritic.cli import init_hf  # noqa: E402
 SHIPPED = os.path.join(os.path.dirname(verl.__file__), "trainer", "config", "_generated_ppo_megatron_trainer.yaml")
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 ROLLOUT_N = 2
+CALL_TIMEOUT_S = 300  # one call of the worker group on this CPU machine takes seconds; beyond this it hangs
 BATCH = 16  # rollouts per call; one mini-batch (ppo_mini_batch_size 8 prompts x 2), one optimizer step
 CALLS = 3
 
@@ -119,7 +120,9 @@ def ray_cluster():
             mp.setenv(key, value)
         mp.syspath_prepend(CPU_PLATFORM)
         __import__("verl_cpu_platform")
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+        # Logical CPUs (Ray schedules by them; the machine may have fewer cores): a worker group takes one per
+        # rank, TransferQueue one for its controller and one per storage unit.
+        ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
         yield
         ray.shutdown()
 
@@ -135,6 +138,10 @@ def critic_group(config, world_size: int):
     worker_cfg = TrainingWorkerConfig(model_type="value_model", model_config=critic_cfg.model,
                                       engine_config=critic_cfg.engine, optimizer_config=critic_cfg.optim,
                                       checkpoint_config=critic_cfg.checkpoint)
+    # verl waits for the pool's placement group without a timeout: a pool that does not fit would hang
+    free = ray.available_resources().get("CPU", 0)
+    assert free >= world_size, (f"the Ray cluster has {free} free CPUs, a critic group of {world_size} needs "
+                                f"{world_size}: {ray.cluster_resources()}")
     pool = RayResourcePool(process_on_nodes=[world_size], use_gpu=False, max_colocate_count=1)
     class_dict = {"critic": RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=worker_cfg)}
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=create_colocated_worker_cls(class_dict=class_dict),
@@ -221,17 +228,32 @@ def test_training_worker_layouts_match_one_process(layout, tiny_model, single):
     assert calls[-1][1]["critic/lr"] == pytest.approx(1e-3) and "perf/mfu/critic" in calls[-1][1]
 
 
-@pytest.mark.skip(reason="not yet passing: on the 2-core CPU machine the run did not finish within 7 minutes "
-                         "after tq.init() (cause not yet diagnosed); kept as the V1 test to finish")
-def test_v1_trainer_calls_through_transfer_queue(tiny_model, single):
-    """verl 0.9.1's V1 trainer (trainer_base.py _compute_values / _update_critic): the batch lives in
-    TransferQueue as nested per-rollout fields and travels to the workers as a KVBatchMeta."""
+@contextlib.contextmanager
+def transfer_queue(config):
+    """TransferQueue as verl's V1 TaskRunner starts it (``tq.init(config.transfer_queue)``), closed after.
+
+    Each of its storage units and its controller is a Ray actor asking for one CPU: verl's default of 8
+    units needs 9 CPUs besides the workers', so this test runs one unit (``num_data_storage_units``, a key of
+    verl's transfer_queue section); with too few CPUs for the worker group verl's placement-group wait never
+    returns (critic_group checks first)."""
     tq = pytest.importorskip("transfer_queue")
+    config.transfer_queue.enable = True
+    config.transfer_queue.backend.SimpleStorage.num_data_storage_units = 1
+    tq.init(config.transfer_queue)
+    try:
+        yield tq
+    finally:
+        tq.close()
+
+
+def test_v1_trainer_calls_through_transfer_queue(tiny_model, single):
+    """verl 0.9.1's V1 trainer (trainer_base.py: reset and set_loss_fn, then per iteration _compute_values and
+    _update_critic): the batch lives in TransferQueue as nested per-rollout fields and travels to the workers
+    as a KVBatchMeta; values come back through TransferQueue. 3 iterations at DP=2 equal one process."""
     from verl.workers.utils.padding import response_from_nested, response_to_nested
     config = trainer_config(tiny_model)
-    tq.init()
     ref_calls, _ = single
-    with critic_group(config, world_size=2) as critic_wg:
+    with transfer_queue(config) as tq, critic_group(config, world_size=2) as critic_wg:
         for call in range(CALLS):
             batch = verl_batch(seed=call).batch
             mask = batch["attention_mask"].bool()
@@ -247,24 +269,28 @@ def test_v1_trainer_calls_through_transfer_queue(tiny_model, single):
             meta = KVBatchMeta(partition_id="train", keys=keys, tags=tags)
             # _compute_values
             meta.extra_info.update({"compute_loss": False, "temperature": 1.0})
-            ray.get(critic_wg.infer_batch(meta).futures)
+            ray.get(critic_wg.infer_batch(meta).futures, timeout=CALL_TIMEOUT_S)
             data = tq.kv_batch_get(keys=keys, partition_id="train", select_fields=["values", "response_mask"])
             values = response_from_nested(data["values"], data["response_mask"])
-            returns = response_to_nested(batch["returns"], data["response_mask"])
-            tq.kv_batch_put(keys=keys, partition_id="train",
-                            fields=TensorDict({"values": values, "returns": returns}, batch_size=BATCH))
+            tq.kv_batch_put(keys=keys, partition_id="train", fields=TensorDict({"values": values}, batch_size=BATCH))
             assert_close(values.to_padded_tensor(0.0, output_size=(BATCH, batch["responses"].shape[1])),
                          ref_calls[call][0], 1e-5 if call == 0 else 1e-3, f"V1 values of call {call}")
+            # _compute_advantage writes the returns, nested
+            returns = response_to_nested(batch["returns"], data["response_mask"])
+            tq.kv_batch_put(keys=keys, partition_id="train", fields=TensorDict({"returns": returns}, batch_size=BATCH))
             # _update_critic
             mini = config.critic.ppo_mini_batch_size * ROLLOUT_N
             meta.extra_info.update({"global_batch_size": mini, "mini_batch_size": mini,
                                     "epochs": config.critic.ppo_epochs, "seed": config.critic.data_loader_seed,
                                     "dataloader_kwargs": {"shuffle": config.critic.shuffle}, "temperature": 1.0})
-            output = rename_dict(critic_wg.train_mini_batch(meta).get()["metrics"], "critic/")
+            future = critic_wg.train_mini_batch(meta)
+            ray.get(future.futures, timeout=CALL_TIMEOUT_S)
+            output = rename_dict(future.get()["metrics"], "critic/")
             output["perf/mfu/critic"] = output.pop("critic/mfu")
             metrics = reduce_metrics(output)
             for key in ("critic/vf_loss", "critic/grad_norm"):
                 assert_close(metrics[key], ref_calls[call][1][key], 1e-5 if call == 0 else 1e-3, f"V1 {key} {call}")
+            tq.kv_clear(keys=keys, partition_id="train")  # as the trainer does after each step
 
 
 def test_checkpoint_resume_equals_the_uninterrupted_run(tiny_model, single, tmp_path):

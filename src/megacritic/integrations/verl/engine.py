@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
@@ -38,7 +39,7 @@ def _is_nested(x) -> bool:
     return isinstance(x, torch.Tensor) and x.is_nested
 
 
-def padded_batch(data) -> dict:
+def padded_batch(data):
     """verl's TensorDict as megacritic's padded layout (left-padded prompts, right-padded responses).
 
     V0 (``left_right_2_no_padding``) keeps ``attention_mask``, ``prompts`` and ``responses`` padded: megacritic
@@ -78,7 +79,7 @@ def padded_batch(data) -> dict:
                 raise BatchError(f"{key}: with nested responses (verl's V1 layout) it must be nested with one "
                                  "entry per response token")
             out[key] = x.to_padded_tensor(0.0, output_size=(b, r))
-    return out
+    return TensorDict(out, batch_size=[b])
 
 
 @EngineRegistry.register(model_type="value_model", backend=BACKEND, device=["cuda", "cpu"])
