@@ -293,6 +293,29 @@ def test_v1_trainer_calls_through_transfer_queue(tiny_model, single):
             tq.kv_clear(keys=keys, partition_id="train")  # as the trainer does after each step
 
 
+def test_nccl_timeout_reaches_the_critics_process_groups(tiny_model, ray_cluster):
+    """verl's critic.nccl_timeout, which verl's TrainingWorker drops (it creates the world group without a
+    timeout: verl issue 7815), is the timeout of every process group the critic's collectives use: the
+    world group verl created and the groups megacritic creates."""
+    def group_timeouts(worker_dict) -> dict:
+        # runs in a worker's process (a function of the test: Ray ships it by value)
+        import torch.distributed as dist
+        engine = worker_dict.worker_dict["critic"].engine
+        groups = engine.worker.groups
+        named = {"world": dist.group.WORLD, "dp": engine.get_data_parallel_group(), "dp_cp": groups.dp_cp,
+                 "dp_gloo": groups.dp_gloo, "tp": groups.tp, "pp": groups.pp, "cp": groups.cp}
+        return {name: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for name, group in named.items()}
+
+    config = trainer_config(tiny_model, tp=2)
+    config.critic.nccl_timeout = 123  # neither torch's default (1800 s on gloo) nor whole minutes
+    with critic_group(config, world_size=2) as critic_wg:
+        timeouts = ray.get([w.__ray_call__.remote(group_timeouts) for w in critic_wg.workers],
+                           timeout=CALL_TIMEOUT_S)
+    for rank, seconds in enumerate(timeouts):
+        assert seconds == dict.fromkeys(seconds, 123.0), f"rank {rank}: {seconds}"
+
+
 def test_checkpoint_resume_equals_the_uninterrupted_run(tiny_model, single, tmp_path):
     """verl's save_checkpoint after 2 calls, a fresh group's load_checkpoint, the third call: as the run of
     3 calls without a pause."""

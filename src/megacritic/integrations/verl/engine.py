@@ -100,6 +100,13 @@ class MegacriticEngine(BaseEngine):
         settings = [*engine_config.verl_settings, *config_from_verl({"optim": optimizer_config}),
                     *engine_config.megacritic_settings]
         self.worker = CriticWorker(load_config(settings))
+        if dist.is_initialized():
+            # verl's TrainingWorker created this process' world group without the critic's nccl_timeout (verl
+            # issue 7815): megacritic's collectives on it (the batch and gradient checks, checkpoint barriers)
+            # wait at most megatron.nccl_timeout, as on the groups megacritic creates. A colocated role's
+            # collectives on the world group get it too.
+            from megacritic.parallel import set_world_timeout
+            set_world_timeout(self.worker.config.megatron.nccl_timeout)
         # verl plans its dispatch (data-parallel rank, output ranks) as soon as the engine exists
         self.ranks = self.worker.setup_parallel()
         self.mode = None
