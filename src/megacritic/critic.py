@@ -164,19 +164,51 @@ class MegatronPPOCritic:
             # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
             # One host read for the statistics and the check: each read waits for the GPU's queue to drain.
             host = torch.cat([sums, self._nonfinite_grads().to(sums.dtype).reshape(1)]).cpu()
-            sums, healthy = host[:-1], bool(torch.isfinite(host[STAT_KEYS.index("loss")]) and host[-1] == 0)
-            if healthy:
-                _, grad_norm, _ = self.state.optimizer.step()
-                if self.config.optim.schedule_unit == "step":
-                    self.state.lr_scheduler.step(increment=1)
-            else:
-                # A non-finite loss or gradient would poison the weights: keep them, report the step.
-                self._zero_grad()
-                grad_norm = float("nan")
+            sums = host[:-1]
+            healthy, grad_norm = self.optimizer_step(bool(torch.isfinite(host[STAT_KEYS.index("loss")])),
+                                                     grads_finite=bool(host[-1] == 0))
+            if healthy and self.config.optim.schedule_unit == "step":
+                self.state.lr_scheduler.step(increment=1)
         return step_metrics(sums, grad_norm=grad_norm, lr=lr, skipped=not healthy, empty=False,
                             tokens=global_tokens, seconds=time.perf_counter() - start,
                             data_seconds=run.data_seconds, timers=self.forward_backward.timers.take(),
                             moe_aux_loss=run.moe_aux_loss)
+
+    def optimizer_step(self, loss_finite: bool = True, grads_finite: bool | None = None) -> tuple[bool, float]:
+        """Apply the gradients in the model's buffers, unless the loss (``loss_finite``, the same on every
+        rank) or a gradient is not finite: then the weights are kept, the gradients dropped and the grad
+        norm is NaN. ``grads_finite``: the gradient check when the caller already read it (None: checked
+        here). Returns (applied, grad norm before clipping). Collective."""
+        if grads_finite is None and loss_finite:
+            grads_finite = bool(self._nonfinite_grads().item() == 0)
+        if loss_finite and grads_finite:
+            _, grad_norm, _ = self.state.optimizer.step()
+            return True, grad_norm
+        # A non-finite loss or gradient would poison the weights: keep them, report the step.
+        self._zero_grad()
+        return False, float("nan")
+
+    def forward_backward_batch(self, local: Rollouts, loss, forward_only: bool, mini_batch_tokens: int = 0):
+        """This rank's rollouts ``local`` through the pipeline schedule with a trainer's own ``loss``
+        (:meth:`megacritic.forward_backward.ForwardBackward.run`): forward only, or forward and backward with
+        the gradients reduced into the model's buffers (no optimizer step). Returns the runner's
+        :class:`~megacritic.forward_backward.Pass`."""
+        model = self.state.model
+        modes = [chunk.training for chunk in model]
+        for chunk in model:
+            chunk.train(not forward_only)
+        try:
+            with self.doing(f"{'forward' if forward_only else 'forward/backward'} of a trainer's batch "
+                            "(Megatron schedule)"):
+                return self.forward_backward.run(local, mini_batch_tokens=mini_batch_tokens, loss=loss,
+                                                 forward_only=forward_only)
+        finally:
+            for chunk, mode in zip(model, modes):
+                chunk.train(mode)
+
+    def zero_grad(self) -> None:
+        """Zero the model's gradient buffers and the optimizer's gradients."""
+        self._zero_grad()
 
     def _zero_grad(self) -> None:
         for chunk in self.state.model:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import (
     clear_aux_losses_tracker,
@@ -136,6 +138,10 @@ class MoEAuxLoss:
         return float(values.sum()) / (self.moe_layers * num_micro_batches * self.layout.dp)
 
 
+# A caller's own loss (ForwardBackward.run): (rows of the micro-batch, their values [rows, R]) -> (loss, report)
+ExternalLoss = Callable[[list, torch.Tensor], tuple[torch.Tensor, dict]]
+
+
 @dataclass
 class Pass:
     """One run of the schedule over a rank's rollouts."""
@@ -158,11 +164,19 @@ class ForwardBackward:
         self.timers = timers or StepTimers(None, 0)
         self.moe = MoEAuxLoss(model, model_config, layout, groups, ranks.device)
 
-    def run(self, local: Rollouts, weights: torch.Tensor | None = None, mini_batch_tokens: int = 0) -> Pass:
+    def run(self, local: Rollouts, weights: torch.Tensor | None = None, mini_batch_tokens: int = 0,
+            loss: "ExternalLoss | None" = None, forward_only: bool | None = None) -> Pass:
         """Forward only without ``weights``; else forward and backward of the weighted value loss, the
         gradients reduced into the model's buffers (``mini_batch_tokens``: the whole mini-batch's real tokens,
-        for the MoE loss's normalisation)."""
-        forward_only = weights is None
+        for the MoE loss's normalisation).
+
+        ``loss``: a loss of the caller's instead of megacritic's (a trainer's own, e.g. verl's value_loss):
+        called per micro-batch as ``loss(rows, vpreds)`` with the micro-batch's rows of ``local`` and their
+        values [rows, R] (whole: summed over context-parallel ranks, differentiably), it returns the tensor
+        to backpropagate and the report that the pass collects; with it, ``forward_only`` says whether to
+        run backward."""
+        if forward_only is None:
+            forward_only = weights is None
         start = time.perf_counter()
         parts = self.policy.plan(local.seq_lens, forward_only, partial(max_over_dp, layout=self.layout, groups=self.groups))
         micro_batches = self.policy.build(local, parts, weights=weights, device=self.ranks.device,
@@ -173,9 +187,10 @@ class ForwardBackward:
         shape_b = max(mb.input_ids.shape[0] for mb in micro_batches)
         # Megatron's fixed pipeline shapes divide the sequence by CP: give it the whole pack's length.
         shape_s = max(mb.input_ids.shape[1] for mb in micro_batches) * self.layout.cp
-        iterators = [iter(micro_batches) for _ in self.model]
+        # each micro-batch travels with its rows of ``local`` (an external loss reads the caller's data by them)
+        iterators = [iter(list(zip(micro_batches, parts))) for _ in self.model]
         outputs = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, forward_only),
+            forward_step_func=partial(self._forward_step, forward_only, loss),
             data_iterator=iterators if len(self.model) > 1 else iterators[0],
             model=self.model,
             num_microbatches=len(micro_batches),
@@ -186,8 +201,8 @@ class ForwardBackward:
         aux = None if forward_only else self.moe.value(len(parts))
         return Pass(parts, outputs, data_seconds, aux)
 
-    def _forward_step(self, forward_only: bool, data_iterator, model):
-        mb: MicroBatch = next(data_iterator)
+    def _forward_step(self, forward_only: bool, loss: "ExternalLoss | None", data_iterator, model):
+        mb, rows = next(data_iterator)
         # Rotary positions restart at 0 for each rollout (left-aligned rows, or position_ids when packed);
         # causal attention within a row or a packed rollout needs no attention mask.
         kwargs = {}
@@ -196,7 +211,7 @@ class ForwardBackward:
             kwargs["padding_mask"] = self._padding_mask(mb, model)
         output = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
                        packed_seq_params=mb.packed, **kwargs)
-        return output, partial(self._loss, mb, forward_only)
+        return output, partial(self._loss, mb, rows, forward_only, loss)
 
     def _padding_mask(self, mb: MicroBatch, model) -> torch.Tensor:
         """MoE routers leave padding out of their load-balancing statistics. GPTModel cuts the mask to this TP
@@ -208,9 +223,19 @@ class ForwardBackward:
             mask = mask[:, rank * shard:(rank + 1) * shard]
         return mask
 
-    def _loss(self, mb: MicroBatch, forward_only: bool, output: torch.Tensor):
+    def _loss(self, mb: MicroBatch, rows: list[int], forward_only: bool, external: "ExternalLoss | None",
+              output: torch.Tensor):
         vpreds = output.reshape(-1)[mb.value_index]  # [b, R] float32
         one = torch.ones((), dtype=torch.int, device=output.device)
+        if external is not None:
+            vpreds = vpreds[: len(rows)] * mb.value_mask[: len(rows)]
+            if self.layout.cp > 1:
+                # each context-parallel rank holds the values of its own chunks (zeros elsewhere): their sum
+                # is the whole. Its backward sums the ranks' gradients too, so every CP rank computing the same
+                # loss gives each value CP x its gradient: the caller scales its loss by 1 / CP.
+                vpreds = dist_nn.all_reduce(vpreds, group=self.groups.cp)
+            loss, report = external(rows, vpreds)
+            return loss, one, report
         if forward_only:
             return vpreds.sum() * 0, one, {"values": (vpreds * mb.value_mask).detach()}
         loss, stats = value_loss_and_stats(vpreds, mb.values, mb.returns, mb.weights, mb.loss_mask,

@@ -12,7 +12,6 @@ export) receives these objects; this module (and :mod:`megacritic.compat`) alone
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import socket
 from dataclasses import dataclass
@@ -269,11 +268,20 @@ def init_megatron(layout: ParallelLayout, seed: int, timeout_s: int) -> Initiali
                                       expert_model_parallel_size=layout.ep,
                                       expert_tensor_parallel_size=layout.etp,
                                       context_parallel_size=layout.cp,
-                                      distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
+                                      # Megatron takes minutes (timedelta(minutes=...)): a fraction keeps
+                                      # the seconds of megatron.nccl_timeout exact
+                                      distributed_timeout_minutes=timeout_s / 60)
         model_parallel_cuda_manual_seed(seed)
     on_cpu = not torch.cuda.is_available()
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     return Initialised(Ranks.read(device, layout.vpp), ProcessGroups.read(), owns_group, owns_state)
+
+
+def set_world_timeout(timeout_s: int) -> None:
+    """Give the world process group, created by someone else without megatron.nccl_timeout (verl's
+    TrainingWorker: torch's default then, 30 min on gloo and 10 min on NCCL), a timeout of ``timeout_s``
+    for the collectives that follow. torch's setter is private; Megatron's ``update_pg_timeout`` calls it too."""
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), dist.group.WORLD)
 
 
 def teardown(initialised: Initialised) -> None:

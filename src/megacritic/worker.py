@@ -42,17 +42,30 @@ class CriticWorker:
         self._critic: MegatronPPOCritic | None = None
         self._offloader: Offloader | None = None
 
+    def setup_parallel(self) -> Ranks:
+        """Stage 1 of :meth:`init_model` alone: the distributed world and Megatron's parallel state (checked
+        before anything is built); this process' ranks. For a trainer that needs the ranks before the model
+        (verl's TrainingWorker plans its dispatch when the engine is created). Idempotent until :meth:`close`."""
+        if self._initialised is None:
+            cfg, mg = self.config, self.config.megatron
+            layout = ParallelLayout.from_config(mg, world_size())
+            layout.check_batch_sizes(cfg)
+            on_cpu = not torch.cuda.is_available()
+            cpu_optimizer_options(cfg, on_cpu=on_cpu)  # its checks, before anything is set up
+            # megacritic's departures from upstream megatron-core, all of them
+            compat.apply(on_cpu=on_cpu, fused=cfg.model.use_fused_kernels and not on_cpu)
+            self._initialised = initialised = init_megatron(layout, mg.seed, mg.nccl_timeout)
+            self.layout, self.ranks, self.groups = layout, initialised.ranks, initialised.groups
+        return self.ranks
+
     def init_model(self) -> None:
         cfg, mg = self.config, self.config.megatron
         # 1. Distributed world and Megatron's parallel state (checked before anything is built).
-        layout = ParallelLayout.from_config(mg, world_size())
-        layout.check_batch_sizes(cfg)
+        self.setup_parallel()
+        layout = self.layout
         on_cpu = not torch.cuda.is_available()
         fused = cfg.model.use_fused_kernels and not on_cpu
         cpu_optimizer = cpu_optimizer_options(cfg, on_cpu=on_cpu)
-        compat.apply(on_cpu=on_cpu, fused=fused)  # megacritic's departures from upstream megatron-core, all of them
-        self._initialised = initialised = init_megatron(layout, mg.seed, mg.nccl_timeout)
-        self.layout, self.ranks, self.groups = layout, initialised.ranks, initialised.groups
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             cfg.model.dtype, torch.float32 if on_cpu else torch.bfloat16)
 
@@ -100,6 +113,31 @@ class CriticWorker:
     def update_critic(self, data) -> dict[str, list[float]]:
         with self._onloaded(OFFLOAD_PARTS):
             return self._require_model().update_critic(data)
+
+    # ---------------------------------------------------------------- step-level calls
+    # For a trainer that runs the PPO loop itself and brings its own loss (verl's TrainingWorker through
+    # megacritic.integrations.verl.engine): one rank's micro-batches through the schedule, then the optimizer
+    # and LR schedule on the trainer's cue. Offload is the trainer's too (offload / onload).
+
+    def forward_backward_batch(self, local, loss, forward_only: bool, mini_batch_tokens: int = 0):
+        """This rank's :class:`~megacritic.data.rollouts.Rollouts` ``local`` through Megatron's schedule with
+        ``loss`` (see :meth:`megacritic.forward_backward.ForwardBackward.run`); gradients accumulate in the
+        model's buffers. ``mini_batch_tokens``: the real tokens of the whole mini-batch (MoE load-balancing
+        loss)."""
+        return self._require_model().forward_backward_batch(local, loss, forward_only, mini_batch_tokens)
+
+    def zero_grad(self) -> None:
+        self._require_model().zero_grad()
+
+    def optimizer_step(self, loss_finite: bool = True) -> tuple[bool, float]:
+        """(applied, grad norm): skipped, weights kept and NaN, when the loss or a gradient is not finite."""
+        return self._require_model().optimizer_step(loss_finite)
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule by one of its units; returns the learning rate now in effect."""
+        self._require_model()
+        self._state.lr_scheduler.step(increment=1)
+        return float(self._state.optimizer.param_groups[0]["lr"])
 
     # ---------------------------------------------------------------- offload (megatron.*_offload)
 

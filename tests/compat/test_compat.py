@@ -119,9 +119,13 @@ _PRELUDE = textwrap.dedent(
     def report(**results):
         print(MARK + json.dumps(results), flush=True)
 
+    # megacritic's engine and config classes for verl subclass verl's own classes: they load only beside verl
+    NEEDS_VERL = ("megacritic.integrations.verl.config_classes", "megacritic.integrations.verl.engine")
+
     def library_modules():
-        import megacritic
-        return sorted(m.name for m in pkgutil.walk_packages(megacritic.__path__, "megacritic."))
+        import importlib.util, megacritic
+        names = sorted(m.name for m in pkgutil.walk_packages(megacritic.__path__, "megacritic."))
+        return names if importlib.util.find_spec("verl") else [n for n in names if n not in NEEDS_VERL]
     """
 )
 
@@ -170,8 +174,10 @@ _IMPORT = textwrap.dedent(
     import subprocess
     # The third-party modules importing the whole library loads (Megatron, torch, transformers, tensordict,
     # which registers things of its own in torch ...), loaded here without the library.
-    probe = "import importlib, pkgutil, sys, megacritic\\n" \\
-        "for m in pkgutil.walk_packages(megacritic.__path__, 'megacritic.'): importlib.import_module(m.name)\\n" \\
+    probe = "import importlib, importlib.util, pkgutil, sys, megacritic\\n" \\
+        f"skip = () if importlib.util.find_spec('verl') else {NEEDS_VERL!r}\\n" \\
+        "for m in pkgutil.walk_packages(megacritic.__path__, 'megacritic.'):\\n" \\
+        "    if m.name not in skip: importlib.import_module(m.name)\\n" \\
         "print(' '.join(m for m in sys.modules if m.split('.')[0] != 'megacritic' and '__main__' not in m))"
     upstream = subprocess.run([sys.executable, "-W", "ignore", "-c", probe], capture_output=True, text=True,
                               check=True).stdout.split()

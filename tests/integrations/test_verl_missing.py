@@ -20,3 +20,12 @@ def test_adapter_without_verl_names_the_fix():
         critic_worker_cls()
     # The config mapping itself needs no verl.
     assert "ppo_mini_batch_size=8" in config_from_verl({"ppo_mini_batch_size": 4, "rollout_n": 2})
+
+
+def test_docs_list_every_verl_critic_setting():
+    """docs/verl.md's table has a row for every rule of the mapping, in its order."""
+    import os
+    from megacritic.integrations.verl.config import _RULES
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "verl.md")).read()
+    rows = [line.split("|")[1].strip().strip("`") for line in doc.splitlines() if line.startswith("| `")]
+    assert rows == [pattern for pattern, _ in _RULES]
