@@ -32,7 +32,7 @@ import ray
 import torch
 
 from megacritic.bench import SHAPES, megacritic_overrides, rollouts
-from megacritic.config import load_config
+from megacritic.config.load import load_config
 from megacritic.ray import CriticGroup
 
 

@@ -58,9 +58,10 @@ def main():
     from megacritic.cli import init_hf
 
     shape = SHAPES[args.shape]
-    model_dir = f"/tmp/verl-engine-{args.shape}"
+    model_dir = f"/tmp/verl-engine-{args.shape}-{args.max_prompt + args.max_response}"
     if not os.path.exists(os.path.join(model_dir, "config.json")):
-        init_hf(model_dir, [f"model.{k}={v}" for k, v in shape.items()], None)
+        init_hf(model_dir, [f"model.{k}={v}" for k, v in shape.items()]
+                + [f"model.max_position_embeddings={args.max_prompt + args.max_response}"], None)
     # the bench's rollouts (by default 32, prompts 64-1024, responses 16-8192 tokens), in verl's padded layout
     batch = rollouts(args.rollouts, shape["vocab_size"], args.max_prompt, args.max_response)
     batch["prompts"] = batch["input_ids"][:, :args.max_prompt]
