@@ -187,7 +187,7 @@ class MegacriticEngine(BaseEngine):
             report = {"values": vpreds.detach()}
             if loss_function is None:
                 return vpreds.sum() * 0, report
-            sub = rows_of(rows)
+            sub = rows_of(rows).to(vpreds.device)  # verl's loss reads the targets beside the values
             flat = _token_values(vpreds, rollouts, rows)
             value, metrics = loss_function(model_output={"values": flat}, data=sub, dp_group=dp_group)
             report.update(loss=value.detach().item(), metrics=metrics)
