@@ -197,8 +197,8 @@ class MegacriticEngine(BaseEngine):
         if not forward_only:
             # the same verdict on every rank: the losses live on the last pipeline stage
             bad = torch.tensor([0.0 if all(torch.isfinite(torch.tensor(o.get("loss", 0.0)))
-                                           for o in run.outputs) else 1.0])
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+                                           for o in run.outputs) else 1.0], device=self.ranks.device)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # (NCCL reduces device tensors only)
             self._loss_finite = bad.item() == 0
         if not self.ranks.is_last_stage:
             return {}
