@@ -172,7 +172,7 @@ class MegacriticEngine(BaseEngine):
         rollouts = self._agreed_rollouts(data, need_targets=loss_function is not None)
         layout = self.worker.layout
         tokens = torch.tensor([float(rollouts.response_mask.sum()), float(rollouts.seq_lens.sum())],
-                              dtype=torch.float64)
+                              dtype=torch.float64, device=self.ranks.device)
         if layout.dp > 1:
             dist.all_reduce(tokens, group=self.worker.groups.dp)
         self._loss_finite = True
