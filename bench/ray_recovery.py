@@ -4,7 +4,7 @@
         [--kill-at 0.5] [--out bench/results/ray_recovery.json] [KEY=VALUE ...]   # config overrides
 
 Two runs of one-rank groups (NCCL on one GPU; random weights of the shape, megacritic bench's rollouts and
-packed config, bf16, FlashAttention-2) over the same PPO iterations: ``compute_values`` on a batch, then
+packed config, bf16, FlashAttention-2, megatron.full_determinism) over the same PPO iterations: ``compute_values`` on a batch, then
 ``update_critic`` on it with those values as the old ones, ``--calls`` times, then the values of the first batch
 again. The first run is left alone; in the second, this process SIGKILLs the rank's actor during the 2nd
 ``update_critic`` (``--kill-at`` of that update's duration in the first run, counted from its snapshot).
@@ -111,6 +111,7 @@ def main(argv=None) -> int:
                              "just before it; 0 rebuilds the model and replays the updates before it")
     parser.add_argument("--kill-at", type=float, default=0.5, help="when to kill, as a fraction of the 2nd update's duration")
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD, where there is one)")
     parser.add_argument("overrides", nargs="*", help="config overrides KEY=VALUE")
     args = parser.parse_args(argv)
     if args.calls < 2:
@@ -120,7 +121,8 @@ def main(argv=None) -> int:
     max_prompt, max_response = (1024, 8192) if cuda else (32, 128)
     batches = [rollouts(args.rollouts, shape["vocab_size"], max_prompt, max_response, seed=i) for i in range(args.calls)]
     budget = max(args.token_budget, -(-max(int(b["attention_mask"].sum(1).max()) for b in batches) // 1024) * 1024)
-    attention = ["model.attention_impl=fa2"] if cuda else []
+    # bit-identical runs on a GPU need the deterministic kernels (FA2's backward, the embedding's, cuBLAS')
+    attention = ["model.attention_impl=fa2", "megatron.full_determinism=true"] if cuda else []
     overrides = (megacritic_overrides(shape, batches[0], True, budget, 2) + ["model.dtype=bfloat16"] * cuda
                  + attention + args.overrides)
     config = load_config(overrides)
@@ -144,8 +146,9 @@ def main(argv=None) -> int:
         for key in filter(_reproducible, a):
             same_metrics[f"{key} (update {i + 1})"] = _equal(a[key], b[key])
     device = torch.cuda.get_device_name() if cuda else "cpu"
+    commit = args.commit or _commit()
     print(f"\n{args.shape}, {args.rollouts} rollouts x {args.calls} PPO iterations, one rank on {device}, "
-          f"snapshot_every={args.snapshot_every}; commit {_commit()}")
+          f"snapshot_every={args.snapshot_every}; commit {commit}")
     print(f"{'phase':48} {'uninterrupted s':>16} {'killed run s':>13}")
     for key in plain["t"]:
         k = killed["t"].get(key)
@@ -168,7 +171,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"shape": args.shape, "rollouts": args.rollouts, "calls": args.calls, "device": device,
-                       "snapshot_every": args.snapshot_every, "commit": _commit(), "uninterrupted_s": plain["t"],
+                       "snapshot_every": args.snapshot_every, "commit": commit, "uninterrupted_s": plain["t"],
                        "killed_s": killed["t"], "kill_missed": killed.get("kill_missed"),
                        "recoveries": [{"seconds": r.seconds, "restore_s": r.restore_s, "replayed": r.replayed,
                                        "failures": [str(f) for f in r.failures]} for r in killed["recoveries"]],

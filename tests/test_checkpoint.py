@@ -94,3 +94,55 @@ def test_integrity_checks_and_fallback(interrupted):
     with pytest.raises(CheckpointError, match="did not finish"):
         verify_checkpoint(str(newest))
 
+
+
+def _snapshot_state(**megatron):
+    layout = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+              "virtual_pipeline_model_parallel_size": None, "context_parallel_size": 1,
+              "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None, "use_distributed_optimizer": True}
+    return {"snapshot": True, "world_size": 2, "config": {"megatron": {**layout, **megatron}}}
+
+
+def test_snapshot_loads_only_under_its_layout():
+    from megacritic import load_config
+    from megacritic.checkpoint import Checkpoint, check_snapshot_layout
+    from megacritic.config import TINY_MODEL_OVERRIDES
+    config = load_config(list(TINY_MODEL_OVERRIDES))
+    check_snapshot_layout(Checkpoint("snap", _snapshot_state()), config, world_size=2)
+    with pytest.raises(CheckpointError, match=r"world size 2 \(here 4\), megatron.tensor_model_parallel_size=2 "
+                                              r"\(here 1\)$"):
+        check_snapshot_layout(Checkpoint("snap", _snapshot_state(tensor_model_parallel_size=2)), config, 4)
+    # a checkpoint (not a snapshot) loads under any layout
+    check_snapshot_layout(Checkpoint("ckpt", {**_snapshot_state(tensor_model_parallel_size=2), "snapshot": False}),
+                          config, 4)
+
+
+def test_snapshot_round_trip_in_process(tmp_path):
+    """A snapshot restores the exact state (the next updates are bit-identical), lists sizes without hashes,
+    and its loader refuses a truncated file."""
+    from megacritic import CriticWorker, load_config
+    from megacritic.config import TINY_MODEL_OVERRIDES
+    from megacritic.data.sources import SyntheticRollouts
+    config = load_config([*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4",
+                          "ppo_micro_batch_size_per_gpu=2"])
+    worker = CriticWorker(config)
+    worker.init_model()
+    try:
+        batch = SyntheticRollouts(config).batch(0)
+        batch["values"] = worker.compute_values(batch)
+        worker.update_critic(batch)  # the optimizer has state (moments, step) to restore
+        folder = worker.save_checkpoint(str(tmp_path), 1, {}, snapshot=True)
+        first = [worker.update_critic(batch) for _ in range(2)]
+        worker.load_checkpoint(folder)
+        again = [worker.update_critic(batch) for _ in range(2)]
+        for a, b in zip(first, again):
+            for key in CRITIC_KEYS[:5]:
+                assert a[key] == b[key], key  # bit-for-bit
+        manifest = json.loads((tmp_path / "step_00000001" / "MANIFEST.json").read_text())
+        assert manifest["snapshot"] and all(set(meta) == {"bytes"} for meta in manifest["files"].values())
+        victim = next(p for p in sorted((tmp_path / "step_00000001").iterdir()) if p.suffix == ".distcp")
+        victim.write_bytes(victim.read_bytes()[:10])
+        with pytest.raises(CheckpointError, match="bytes"):
+            worker.load_checkpoint(folder)
+    finally:
+        worker.close()

@@ -1,5 +1,8 @@
 """CriticWorker in a plain Python process (a world of one): the public calls and their contracts."""
 
+import math
+import os
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -176,3 +179,23 @@ def test_lr_schedule_unit(unit, after_each_call):
 def test_warm_up_longer_than_the_schedule_names_its_unit():
     with pytest.raises(ConfigError, match="3 update_critic calls"):
         load_config(OVERRIDES + ["optim.total_training_steps=3", "optim.lr_warmup_steps=3", "optim.schedule_unit=call"])
+
+
+def test_full_determinism_switches_the_process_and_megatron(monkeypatch):
+    for key in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("NCCL_ALGO", "Tree")  # a user's own choice stays
+    worker = CriticWorker(load_config(OVERRIDES + ["megatron.full_determinism=true"]))
+    try:
+        worker.init_model()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # an op without one is an error
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["NCCL_ALGO"] == "Tree"
+        embedding = worker.state.model[0].module.embedding.word_embeddings
+        assert embedding.deterministic_mode  # Megatron's lookup by indexing
+        batch = SyntheticRollouts(worker.config).batch(0)
+        batch["values"] = worker.compute_values(batch)
+        assert math.isfinite(worker.update_critic(batch)["critic/vf_loss"][0])
+    finally:
+        worker.close()
+        torch.use_deterministic_algorithms(False)  # process-global: leave the other tests as they were

@@ -9,6 +9,12 @@ Layout of ``<root>``::
         MANIFEST.json         every file's size and SHA-256, written last
     .tmp-step_00000015/       a save in progress (or interrupted): never loaded
 
+A *snapshot* (``save_checkpoint(..., snapshot=True)``: what :class:`megacritic.ray.CriticGroup` takes to restore
+a restarted group) has the same layout but stores the distributed optimizer's shards as they lie in memory
+(megatron-core's "dp_reshardable" format: no gather, no copy into the model's coordinates) and lists its files'
+sizes without hashing them: it is written and read by the same group, in host memory, and loads only under the
+parallel layout that saved it.
+
 A crash while saving leaves only a ``.tmp-*`` folder; ``latest_checkpoint`` picks the newest folder whose
 manifest matches its files, so a truncated or corrupted checkpoint is skipped, not loaded. A folder's files are
 hashed once per load: :func:`open_checkpoint` (or ``latest_checkpoint``) verifies it and returns a
@@ -42,6 +48,13 @@ TRAINER_STATE = "trainer.json"
 # hard-codes .cuda() on the way): host memory only, on GPU and CPU alike.
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable",
                      "distrib_optim_fully_reshardable_mem_efficient": True}
+# A snapshot's: each rank's shards as they are (at 1.5B on one H200 the fully reshardable save took most of
+# the 120 s of a 20 GiB snapshot, bench/NOTES.md).
+_SNAPSHOT_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
+# What a snapshot must be loaded under: the degrees that decide each rank's shards.
+_LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+                "use_distributed_optimizer")
 
 
 class CheckpointError(RuntimeError):
@@ -64,11 +77,11 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _sharded_state(model: list, optimizer, loading: bool) -> dict:
+def _sharded_state(model: list, optimizer, loading: bool, fmt: dict) -> dict:
     # Tensor keys inside are global (layers by their global number), so they do not depend on how the
     # layers are split over pipeline stages and virtual chunks.
     state = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
-    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading, metadata=_OPTIMIZER_FORMAT)
+    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading, metadata=fmt)
     return state
 
 
@@ -112,9 +125,11 @@ def _restore_rng(folder: str, saved_world_size: int | None) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(root: str, step: int, train_state: TrainState, saved_state: dict) -> str:
+def save_checkpoint(root: str, step: int, train_state: TrainState, saved_state: dict, *,
+                    snapshot: bool = False) -> str:
     """Collective: every rank calls it. Writes ``train_state`` (its tensors through Megatron's distributed
-    checkpointing, the rest in trainer.json beside ``saved_state``). Returns the final folder."""
+    checkpointing, the rest in trainer.json beside ``saved_state``). Returns the final folder. ``snapshot``:
+    a snapshot (this module's docstring), for a restart of the same layout."""
     model, optimizer = train_state.model, train_state.optimizer
     final = os.path.join(root, checkpoint_name(step))
     tmp = os.path.join(root, ".tmp-" + checkpoint_name(step))
@@ -123,17 +138,20 @@ def save_checkpoint(root: str, step: int, train_state: TrainState, saved_state: 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, loading=False), tmp,
-                            content_metadata=_OPTIMIZER_FORMAT)
+    fmt = _SNAPSHOT_FORMAT if snapshot else _OPTIMIZER_FORMAT
+    dist_checkpointing.save(_sharded_state(model, optimizer, loading=False, fmt=fmt), tmp, content_metadata=fmt)
     torch.save(_rng_state(), os.path.join(tmp, _rng_file(dist.get_rank())))
     dist.barrier()
     if rank0:
         with open(os.path.join(tmp, TRAINER_STATE), "w") as f:
-            json.dump({**saved_state, **train_state.state_dict(), "world_size": dist.get_world_size()}, f)
-        files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
-                        "sha256": _file_digest(os.path.join(tmp, name))} for name in _list_files(tmp)}
+            json.dump({**saved_state, **train_state.state_dict(), "world_size": dist.get_world_size(),
+                       "snapshot": snapshot}, f)
+        files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name))} for name in _list_files(tmp)}
+        if not snapshot:
+            for name, meta in files.items():
+                meta["sha256"] = _file_digest(os.path.join(tmp, name))
         with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump({"step": step, "files": files}, f, indent=1)
+            json.dump({"step": step, "snapshot": snapshot, "files": files}, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         shutil.rmtree(final, ignore_errors=True)
@@ -143,7 +161,8 @@ def save_checkpoint(root: str, step: int, train_state: TrainState, saved_state: 
 
 
 def verify_checkpoint(folder: str) -> None:
-    """Raise CheckpointError unless every file listed in the manifest is present with its size and hash."""
+    """Raise CheckpointError unless every file listed in the manifest is present with its size and hash (a
+    snapshot's: its size)."""
     manifest_path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(manifest_path):
         raise CheckpointError(f"{folder}: no {MANIFEST} (the save did not finish)")
@@ -158,7 +177,7 @@ def verify_checkpoint(folder: str) -> None:
             raise CheckpointError(f"{folder}: {name} is missing")
         if os.path.getsize(path) != meta["bytes"]:
             raise CheckpointError(f"{folder}: {name} has {os.path.getsize(path)} bytes, expected {meta['bytes']}")
-        if _file_digest(path) != meta["sha256"]:
+        if "sha256" in meta and _file_digest(path) != meta["sha256"]:
             raise CheckpointError(f"{folder}: {name} does not match its checksum (corrupted)")
 
 
@@ -184,6 +203,22 @@ def check_expert_layout(checkpoint: Checkpoint, config: CriticConfig) -> None:
                           f"with {saved_ep}; a mixture-of-experts checkpoint resumes only with expert parallelism "
                           f"{'> 1' if saved_ep > 1 else '= 1'} (megatron-core keeps the experts' optimizer "
                           "state apart only when it is > 1)")
+
+
+def check_snapshot_layout(checkpoint: Checkpoint, config: CriticConfig, world_size: int) -> None:
+    """CheckpointError if ``checkpoint`` is a snapshot saved under another world size or other parallel degrees
+    than these (its optimizer shards are each rank's own)."""
+    if not checkpoint.state.get("snapshot"):
+        return
+    saved = checkpoint.state.get("config", {}).get("megatron", {})
+    here = {key: getattr(config.megatron, key) for key in _LAYOUT_KEYS}
+    differ = [f"megatron.{key}={saved.get(key)} (here {here[key]})" for key in _LAYOUT_KEYS
+              if saved.get(key) != here[key]]
+    if checkpoint.state.get("world_size") != world_size:
+        differ.insert(0, f"world size {checkpoint.state.get('world_size')} (here {world_size})")
+    if differ:
+        raise CheckpointError(f"{checkpoint.folder} is a snapshot, which loads only under the layout that saved it: "
+                              f"it was saved with {', '.join(differ)}")
 
 
 def latest_checkpoint(root: str) -> tuple[Checkpoint | None, list[str]]:
@@ -227,8 +262,9 @@ def load_checkpoint(checkpoint: Checkpoint, train_state: TrainState) -> None:
     """Collective: load ``checkpoint`` (saved under any layout, opened by :func:`open_checkpoint`) into
     ``train_state``."""
     folder, model, optimizer = checkpoint.folder, train_state.model, train_state.optimizer
+    fmt = dist_checkpointing.load_content_metadata(folder) or _OPTIMIZER_FORMAT
     _materialise_adam_state(optimizer)
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True), folder)
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, loading=True, fmt=fmt), folder)
     for i, chunk in enumerate(model):
         chunk.module.load_state_dict(state[f"model{i}"])
     with adam_step_kept_per_parameter(optimizer):

@@ -277,6 +277,17 @@ def init_megatron(layout: ParallelLayout, seed: int, timeout_s: int) -> Initiali
     return Initialised(Ranks.read(device, layout.vpp), ProcessGroups.read(), owns_group, owns_state)
 
 
+def use_deterministic_algorithms() -> None:
+    """megatron.full_determinism, for this process (torch's switch is process-global, so a role colocated
+    with the critic computes deterministically too). Before the process group and the first cuBLAS handle:
+    both read their environment once."""
+    # cuBLAS reduces in a fixed order only with a fixed workspace; torch refuses its GEMMs without one.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # NCCL picks its algorithm per message size and topology; ring is the same every run.
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    torch.use_deterministic_algorithms(True)
+
+
 def set_world_timeout(timeout_s: int) -> None:
     """Give the world process group, created by someone else without megatron.nccl_timeout (verl's
     TrainingWorker: torch's default then, 30 min on gloo and 10 min on NCCL), a timeout of ``timeout_s``

@@ -17,7 +17,7 @@ the group does not wait for them. If the failure is one a restart can cure (a ra
 collective or the device failed, a call passed ``call_timeout_s``), it kills every actor, starts new ones (a
 fresh placement and rendezvous port), restores the state the ranks held before the failed call and sends the
 call again: the caller gets the result it would have got without the failure. The state is restored from a
-snapshot (``CriticWorker.save_checkpoint`` into a folder in host memory, taken before every
+snapshot (``CriticWorker.save_checkpoint(..., snapshot=True)`` into a folder in host memory, taken before every
 ``snapshot_every``-th update call) plus a replay of the state-changing calls since (the driver keeps their
 batches in the object store); without a snapshot yet, from ``init_model`` plus a replay. Failures that would
 happen again on the same input (a BatchError or ConfigError raised by the ranks, running out of memory, an
@@ -534,7 +534,8 @@ class CriticGroup:
                 and self._updates_since_snapshot >= self.snapshot_every):
             self._snapshots_taken += 1
             step = self._snapshots_taken
-            self._send(_Call("save_checkpoint", (self._snapshot_root, step, {"snapshot": step}), kind="snapshot"))
+            self._send(_Call("save_checkpoint", (self._snapshot_root, step, {"snapshot": step}, True),
+                             kind="snapshot"))
             self._updates_since_snapshot = 0
         self._updates_since_snapshot += 1
         return CriticFuture(self, self._submit("update_critic", ref))

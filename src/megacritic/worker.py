@@ -23,7 +23,8 @@ from megacritic.forward_backward import ForwardBackward, StepTimers
 from megacritic.model.value_model import transformer_config
 from megacritic.offload import OFFLOAD_PARTS, Offloader
 from megacritic.packing.micro_batches import MicroBatchPolicy
-from megacritic.parallel import Initialised, ParallelLayout, ProcessGroups, Ranks, init_megatron, teardown, world_size
+from megacritic.parallel import (Initialised, ParallelLayout, ProcessGroups, Ranks, init_megatron, teardown,
+                                 use_deterministic_algorithms, world_size)
 from megacritic.train_state import (TrainState, build_lr_scheduler, build_model, build_optimizer,
                                     cpu_optimizer_options)
 
@@ -54,6 +55,8 @@ class CriticWorker:
             cpu_optimizer_options(cfg, on_cpu=on_cpu)  # its checks, before anything is set up
             # megacritic's departures from upstream megatron-core, all of them
             compat.apply(on_cpu=on_cpu, fused=cfg.model.use_fused_kernels and not on_cpu)
+            if mg.full_determinism:
+                use_deterministic_algorithms()
             self._initialised = initialised = init_megatron(layout, mg.seed, mg.nccl_timeout)
             self.layout, self.ranks, self.groups = layout, initialised.ranks, initialised.groups
         return self.ranks
@@ -175,14 +178,15 @@ class CriticWorker:
 
     # ---------------------------------------------------------------- checkpoints, export
 
-    def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> str:
+    def save_checkpoint(self, root: str, step: int, trainer_state: dict, snapshot: bool = False) -> str:
         """Collective: write ``<root>/step_<step>`` (model, optimizer, LR schedule, shuffle position and
-        ``trainer_state``) atomically; returns its folder."""
+        ``trainer_state``) atomically; returns its folder. ``snapshot``: the faster form that only this
+        layout loads (:mod:`megacritic.checkpoint`), for restarting a group in place."""
         critic = self._require_model()
         self.onload()
         saved = {"trainer": trainer_state, "config": to_dict(self.config)}
         with critic.doing(f"save_checkpoint (step {step} to {root})"):
-            return checkpoint.save_checkpoint(root, step, self._state, saved)
+            return checkpoint.save_checkpoint(root, step, self._state, saved, snapshot=snapshot)
 
     def load_checkpoint(self, folder: str | checkpoint.Checkpoint) -> dict:
         """Collective: restore a checkpoint saved under any TP / PP / DP layout (a folder, verified here, or a
@@ -190,6 +194,7 @@ class CriticWorker:
         critic = self._require_model()
         opened = folder if isinstance(folder, checkpoint.Checkpoint) else checkpoint.open_checkpoint(folder)
         checkpoint.check_expert_layout(opened, self.config)  # before anything changes
+        checkpoint.check_snapshot_layout(opened, self.config, world_size())
         self.onload()
         with critic.doing(f"load_checkpoint ({opened.folder})"):
             checkpoint.load_checkpoint(opened, self._state)

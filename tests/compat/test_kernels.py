@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megacritic.compat.adam_step import PATCHED_METHOD, adam_step_kept_per_parameter
+from megacritic.compat.adam_step import PATCHED_METHODS, adam_step_kept_per_parameter
 from megacritic.compat.kernels import _foreach_l2_norm, _foreach_scale, use_fused_adamw
 
 
@@ -38,6 +38,14 @@ class _Part:
             for key, value in saved.items():
                 state[key].copy_(value)
 
+    def load_parameter_state_from_dp_reshardable(self, param_state):
+        # upstream (no torch.no_grad of its own): the main parameters too, which are leaves requiring grad
+        self.loaded_steps = [dict(s) for s in self.optimizer.state.values()]
+        params = self.optimizer.param_groups[0]["params"]
+        for param, saved in zip(params, param_state):
+            for key, value in saved.items():
+                (param if key == "param" else self.optimizer.state[param][key]).copy_(value)
+
 
 class _Chained:
     def __init__(self, *parts):
@@ -58,16 +66,21 @@ def test_use_fused_adamw_switches_every_group():
     assert all(g["fused"] and not g["foreach"] for p in parts for g in p.optimizer.param_groups)
 
 
-def test_adam_step_set_aside_and_given_back_per_parameter():
+@pytest.mark.parametrize("layout", ["fully_reshardable", "dp_reshardable"])
+def test_adam_step_set_aside_and_given_back_per_parameter(layout):
     part = _stepped_part(3)
     shared = torch.tensor(7.0)
     for state in part.optimizer.state.values():
         state["step"] = shared  # as upstream restores it: one tensor for all parameters
     saved = [{"exp_avg": torch.full((2,), 5.0), "exp_avg_sq": torch.full((2,), 6.0)}] * 3
+    if layout == "dp_reshardable":
+        saved = [{**s, "param": torch.full((2,), 4.0)} for s in saved]
     with adam_step_kept_per_parameter(_Chained(part)):
-        assert PATCHED_METHOD in vars(part)  # on the instance only
-        part.load_parameter_state_from_fully_reshardable(saved)
-    assert PATCHED_METHOD not in vars(part)
+        assert set(PATCHED_METHODS) <= set(vars(part))  # on the instance only
+        getattr(part, f"load_parameter_state_from_{layout}")(saved)
+    assert not set(PATCHED_METHODS) & set(vars(part))
+    if layout == "dp_reshardable":  # copied into leaves that require grad: no autograd error
+        assert all(torch.equal(p, torch.full((2,), 4.0)) for p in part.optimizer.param_groups[0]["params"])
     assert all("step" not in s for s in part.loaded_steps)  # not in the copy
     steps = [s["step"] for s in part.optimizer.state.values()]
     assert all(torch.equal(s, shared) and s is not shared for s in steps)
@@ -80,4 +93,4 @@ def test_adam_step_patch_removed_when_the_load_raises():
     with pytest.raises(ValueError):
         with adam_step_kept_per_parameter(part):
             raise ValueError("load failed")
-    assert PATCHED_METHOD not in vars(part) and "step" in next(iter(part.optimizer.state.values()))
+    assert not set(PATCHED_METHODS) & set(vars(part)) and "step" in next(iter(part.optimizer.state.values()))

@@ -20,8 +20,9 @@ Per object, applied where the object exists:
 
 5. Fused AdamW: the optimizer's param groups switched to torch's fused kernel
    (:func:`~megacritic.compat.kernels.use_fused_adamw`, after the optimizer is built, when ``fused``).
-6. Adam's ``step`` kept per parameter while a fully-reshardable checkpoint loads: an instance attribute of the
-   optimizer for the duration of the load (:mod:`megacritic.compat.adam_step`).
+6. Adam's ``step`` kept per parameter, and no autograd, while a checkpoint's or a snapshot's distributed
+   optimizer state loads: instance attributes of the optimizer for the duration of the load
+   (:mod:`megacritic.compat.adam_step`).
 7. With ``megatron.optimizer_cpu_offload``: ``OptimizerConfig.use_precision_aware_optimizer`` set after the
    config's own checks, which read Transformer Engine's version and fail without it
    (:func:`~megacritic.compat.kernels.precision_aware_without_te`).

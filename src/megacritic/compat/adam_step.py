@@ -1,10 +1,15 @@
-"""Loading torch Adam's ``step`` from a fully-reshardable megatron-core 0.16 checkpoint.
+"""Loading torch Adam's ``step`` (and the state's tensors) from a megatron-core 0.16 distributed-optimizer
+checkpoint, in either of the two layouts megacritic writes: fully reshardable (checkpoints) and DP-reshardable
+(the snapshots of :class:`megacritic.ray.CriticGroup`).
 
-Upstream, ``DistributedOptimizer.load_parameter_state_from_fully_reshardable`` copies the checkpoint into
-*every* per-parameter state entry, but the checkpoint's per-parameter state has no ``step`` (upstream
-restores it separately, from the common state, as one tensor shared by all parameters). Here ``step`` is set
-aside while the per-parameter state is copied, and each parameter gets its own copy back: torch's
-multi-tensor Adam increments ``step`` in place, so a shared tensor would advance once per parameter.
+Upstream, ``DistributedOptimizer.load_state_dict`` first gives every parameter one shared ``step`` tensor (the
+checkpoint's common step), then the layout's loader copies the checkpoint into *every* per-parameter state
+entry. The checkpoint's per-parameter state has no ``step`` (fully reshardable) or holds the live one
+(DP-reshardable: a local object, not saved), so the copy would fail or write the live step into the shared
+tensor. Here ``step`` is set aside while the per-parameter state is copied, and each parameter gets its own
+copy of the common step back: torch's multi-tensor Adam increments ``step`` in place, so a shared tensor would
+advance once per parameter. The copy runs under ``torch.no_grad``: the DP-reshardable loader copies into the
+float32 main parameters, leaves that require grad, and lacks the decorator its fully-reshardable sibling has.
 
 The change is scoped: an attribute of the optimizer instances, only for the duration of one load.
 """
@@ -13,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from megacritic.optim import megatron_optimizers, torch_optimizers
 
-PATCHED_METHOD = "load_parameter_state_from_fully_reshardable"
+PATCHED_METHODS = ("load_parameter_state_from_fully_reshardable", "load_parameter_state_from_dp_reshardable")
 
 
 @contextlib.contextmanager
@@ -31,23 +38,24 @@ def _adam_step_set_aside(optimizer):
 
 @contextlib.contextmanager
 def adam_step_kept_per_parameter(optimizer):
-    """For the duration of the block, each Megatron optimizer inside ``optimizer`` that loads
-    fully-reshardable state does so with torch Adam's ``step`` set aside (this module's docstring says why);
-    the instances are as before afterwards, also when the load raises."""
+    """For the duration of the block, each Megatron optimizer inside ``optimizer`` that loads distributed
+    parameter state (either layout) does so with torch Adam's ``step`` set aside and without autograd (this
+    module's docstring says why); the instances are as before afterwards, also when the load raises."""
     patched = []
     for inner in megatron_optimizers(optimizer):
-        original = getattr(inner, PATCHED_METHOD, None)
-        if original is None:
-            continue
+        for name in PATCHED_METHODS:
+            original = getattr(inner, name, None)
+            if original is None:
+                continue
 
-        def load_param_state(param_state, _inner=inner, _original=original):
-            with _adam_step_set_aside(_inner):
-                _original(param_state)
+            def load_param_state(param_state, _inner=inner, _original=original):
+                with _adam_step_set_aside(_inner), torch.no_grad():
+                    _original(param_state)
 
-        setattr(inner, PATCHED_METHOD, load_param_state)  # an instance attribute, shadowing the class's method
-        patched.append(inner)
+            setattr(inner, name, load_param_state)  # an instance attribute, shadowing the class's method
+            patched.append((inner, name))
     try:
         yield
     finally:
-        for inner in patched:
-            inner.__dict__.pop(PATCHED_METHOD, None)
+        for inner, name in patched:
+            inner.__dict__.pop(name, None)

@@ -188,6 +188,12 @@ class MegatronConfig:
     replicas."""
     seed: int = 42
     """Seed of the weight initialisation (identical for every parallel layout)."""
+    full_determinism: bool = False
+    """Bit-identical results from run to run on the same machine and layout (verl's key): torch's deterministic
+    algorithms only (an operation that has none is an error naming it; cuBLAS gets the fixed workspace it
+    needs), deterministic FlashAttention backward passes (a fixed order of the query-gradient accumulation),
+    Megatron's deterministic_mode (its embedding lookup by indexing) and, when NCCL_ALGO is unset, NCCL's ring
+    algorithm. Slower (the attention backward most); for debugging, parity runs and the recovery checks."""
     nccl_timeout: int = 600
     """Seconds a collective may wait before the job fails with an error instead of hanging (every process
     group, gloo included)."""

@@ -170,11 +170,13 @@ def _varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, 
     if impl == "fa4":
         # FA4's causal mask is bottom-right aligned when query and key lengths differ; it returns (out, lse).
         out, _ = _fa4_varlen()[0](q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                  max_seqlen_k=max_k, softmax_scale=scale, causal=True)
+                                  max_seqlen_k=max_k, softmax_scale=scale, causal=True,
+                                  deterministic=torch.are_deterministic_algorithms_enabled())
         return out.reshape(q.shape[0], -1)
     if impl == "fa2":
         # FlashAttention-2 aligns its causal window (-1, 0) to the bottom right when lengths differ:
-        # query j may see key i iff i <= j + len_k - len_q.
+        # query j may see key i iff i <= j + len_k - len_q. (Its backward is deterministic when torch's
+        # deterministic algorithms are on: megatron.full_determinism.)
         out = _varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), **_VARLEN_KWARGS)
         return out.reshape(q.shape[0], -1)
     outs = []

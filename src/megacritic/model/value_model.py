@@ -119,6 +119,8 @@ def transformer_config(model: ModelConfig, layout: ParallelLayout, *, dtype: tor
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu,
+        # (Megatron's embedding then looks rows up by indexing, whose backward has a deterministic kernel)
+        deterministic_mode=megatron is not None and megatron.full_determinism,
         # Our weights come from megacritic.model.weights and overwrite these, but Megatron tags its
         # tensor-parallel weights (tensor_model_parallel, partition_dim) only while initialising them;
         # without the tags the grad norm would count every TP shard as a duplicate.
