@@ -1,7 +1,7 @@
 """MegatronPPOCritic: the PPO loop against a fake forward-backward runner with no Megatron world (mini-batches, epochs,
 shuffle, loss weights, skipped and empty steps, metrics, LR schedule unit, operation names); then its step
 logic in a real world of one (rows and mini-batches without response tokens, the timing_s/* metrics from
-Megatron's timers)."""
+Megatron's timers, no model-sized temporary in an update)."""
 
 import logging
 import math
@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from megacritic import CriticWorker, load_config
 from megacritic.config import TINY_MODEL_OVERRIDES
@@ -340,3 +342,48 @@ def test_timing_metrics(level):
             assert m["timing_s/forward_backward"][i] + m["timing_s/optimizer"][i] <= m["timing_s/step"][i]
         if level >= 2:
             assert m["timing_s/forward"][i] + m["timing_s/backward"][i] <= m["timing_s/forward_backward"][i]
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the largest storage any op creates (views and in-place results share an input's storage and
+    are not counted). Ops are seen after decomposition, so a composite op's hidden temporaries show."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in tree_leaves(out):
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
+                if t.untyped_storage().nbytes() > self.nbytes:
+                    self.nbytes, self.op = t.untyped_storage().nbytes(), f"{func} -> {t.dtype}{list(t.shape)}"
+        return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_update_makes_no_temporary_the_size_of_the_model(dtype):
+    # A 7B update once ran out of memory on a float32 copy of the whole gradient buffer, then on a 1-byte
+    # mask over it (torch.isfinite(buffer) in the gradient check). Bound: that mask, 1 byte per buffer
+    # entry. Legitimate temporaries (a gradient, Adam's moments and foreach outputs, activations) are at
+    # most one parameter in float32; 8 layers keep the largest parameter (fc1, 64 x 256) at 1/18 of the
+    # buffer, so those stay over 4x under the bound (checked first). bfloat16 is the 7B case: bf16
+    # weights, float32 gradient buffer.
+    # a tiny clip threshold so every step also scales its gradients
+    config = load_config(BASE + ["model.num_hidden_layers=8", f"model.dtype={dtype}", "ppo_mini_batch_size=4",
+                                 "optim.clip_grad=1e-6"])
+    worker = CriticWorker(config)
+    worker.init_model()
+    try:
+        model = worker.state.model
+        bound = max(b.grad_data.numel() for chunk in model for b in chunk.buffers + chunk.expert_parallel_buffers)
+        assert 4 * max(p.numel() for chunk in model for p in chunk.parameters()) < bound / 4
+        batch = SyntheticRollouts(config).batch(0)
+        batch["values"] = worker.compute_values(batch)
+        with LargestAllocation() as largest:
+            metrics = worker.update_critic(batch)  # forward, backward, gradient check, norm, clipping, Adam
+        assert metrics["critic/skipped_steps"] == [0.0, 0.0]  # the steps (and their checks) ran
+        assert largest.nbytes < bound, f"{largest.nbytes} bytes by {largest.op}; bound {bound}"
+    finally:
+        worker.close()
