@@ -18,7 +18,11 @@ inside the critic would need static pack buffers, which is the next step if this
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import traceback
 
 import torch
 
@@ -121,6 +125,7 @@ def probe(shape_name: str, budget: int, iters: int, cuda: bool, extra: list[str]
                 graphed = torch.cuda.make_graphed_callables(OneLayer(layer, pack), (x,))
                 result["graphed"] = time_layer(graphed, x, torch.randn_like(x), iters, cuda)
             except Exception as exc:  # noqa: BLE001 - reported: the eager figures still stand
+                traceback.print_exc()  # the op that broke the capture is in the chain, not the last line
                 result["graph_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         eager = sum(e["wall_s"] for e in result["eager"])
         result["eager_update_layer_s"] = eager
@@ -143,6 +148,21 @@ def main():
     args, extra = parser.parse_known_args()
     cuda = torch.cuda.is_available() and not args.cpu_tiny
     shapes, budget = (["tiny"], 512) if args.cpu_tiny else (args.shapes.split(","), args.budget)
+    if cuda and len(shapes) > 1:
+        # One process per shape: a failed graph capture leaves the CUDA context unusable for the next one.
+        found = []
+        for name in shapes:
+            with tempfile.NamedTemporaryFile(suffix=".json") as part:
+                subprocess.run([sys.executable, __file__, "--shapes", name, "--budget", str(budget), "--iters",
+                                str(args.iters), "--out", part.name, *extra], check=False)
+                try:
+                    found += json.load(open(part.name))
+                except ValueError:
+                    print(f"{name}: no result (the process failed)")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(found, f, indent=1)
+        return
     found = []
     for name in shapes:
         r = probe(name, budget, args.iters if cuda else 2, cuda, extra)
