@@ -76,25 +76,11 @@ class MegatronPPOCritic:
             rollouts = self._receive(data, need_targets=False)
         with self.doing("compute_values: forward (Megatron schedule)"):
             shards = dp_shards(rollouts.seq_lens, self.layout.dp)
-            model = self.state.model
-            modes = [chunk.training for chunk in model]
-            for chunk in model:
-                chunk.eval()
-            try:
-                run = self.forward_backward.run(rollouts.select(shards[self.ranks.dp_rank]))
-            finally:
-                for chunk, mode in zip(model, modes):
-                    chunk.train(mode)
+            local = self.local_values(rollouts.select(shards[self.ranks.dp_rank]))
         with self.doing("compute_values: gathering values over data-parallel and pipeline ranks"):
             values = torch.empty((len(rollouts), rollouts.response_width), dtype=torch.float32,
                                  device=self.ranks.device)
-            if self.ranks.is_last_stage:
-                local = torch.cat([o["values"][: len(p)] for o, p in zip(run.outputs, run.parts)])
-                local = local[to_device(reverse_index(run.parts), local.device)]  # this rank's shard, in order
-                if self.layout.cp > 1:
-                    # Each context-parallel rank filled the values at the positions it holds and zeros
-                    # elsewhere: their sum is exact.
-                    dist.all_reduce(local, group=self.groups.cp)
+            if local is not None:
                 if self.layout.dp > 1:
                     gathered = torch.empty_like(values)
                     dist.all_gather_into_tensor(gathered, local.contiguous(), group=self.groups.dp)
@@ -102,6 +88,30 @@ class MegatronPPOCritic:
                 values.copy_(local)
             self._broadcast_from_last_stage(values)
         return values.cpu()
+
+    @torch.no_grad()
+    def local_values(self, local: Rollouts) -> torch.Tensor | None:
+        """Values of this rank's rollouts ``local`` (forward only, eval mode): float32 [len(local), R] on the
+        device, in their order, zero outside the response; on the last pipeline stage (None on the others).
+        Collective over the pipeline and context-parallel ranks."""
+        model = self.state.model
+        modes = [chunk.training for chunk in model]
+        for chunk in model:
+            chunk.eval()
+        try:
+            run = self.forward_backward.run(local)
+        finally:
+            for chunk, mode in zip(model, modes):
+                chunk.train(mode)
+        if not self.ranks.is_last_stage:
+            return None
+        values = torch.cat([o["values"][: len(p)] for o, p in zip(run.outputs, run.parts)])
+        values = values[to_device(reverse_index(run.parts), values.device)]  # micro-batches -> input order
+        if self.layout.cp > 1:
+            # Each context-parallel rank filled the values at the positions it holds and zeros elsewhere:
+            # their sum is exact.
+            dist.all_reduce(values, group=self.groups.cp)
+        return values
 
     def update_critic(self, data) -> dict[str, list[float]]:
         """PPO value updates over ``ppo_epochs`` x mini-batches of ``data``; one optimizer step each.
@@ -163,7 +173,7 @@ class MegatronPPOCritic:
             # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
             # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
             # One host read for the statistics and the check: each read waits for the GPU's queue to drain.
-            host = torch.cat([sums, self._nonfinite_grads().to(sums.dtype).reshape(1)]).cpu()
+            host = torch.cat([sums, self.nonfinite_grads().to(sums.dtype).reshape(1)]).cpu()
             sums = host[:-1]
             healthy, grad_norm = self.optimizer_step(bool(torch.isfinite(host[STAT_KEYS.index("loss")])),
                                                      grads_finite=bool(host[-1] == 0))
@@ -180,7 +190,7 @@ class MegatronPPOCritic:
         norm is NaN. ``grads_finite``: the gradient check when the caller already read it (None: checked
         here). Returns (applied, grad norm before clipping). Collective."""
         if grads_finite is None and loss_finite:
-            grads_finite = bool(self._nonfinite_grads().item() == 0)
+            grads_finite = bool(self.nonfinite_grads().item() == 0)
         if loss_finite and grads_finite:
             _, grad_norm, _ = self.state.optimizer.step()
             return True, grad_norm
@@ -253,7 +263,7 @@ class MegatronPPOCritic:
         self._broadcast_from_last_stage(sums)
         return sums
 
-    def _nonfinite_grads(self) -> torch.Tensor:
+    def nonfinite_grads(self) -> torch.Tensor:
         """A device scalar, non-zero when some rank's gradient buffer holds a non-finite value."""
         bad = torch.zeros((), dtype=torch.float32, device=self.ranks.device)
         for chunk in self.state.model:

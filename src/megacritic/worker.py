@@ -129,12 +129,24 @@ class CriticWorker:
         loss)."""
         return self._require_model().forward_backward_batch(local, loss, forward_only, mini_batch_tokens)
 
+    def local_values(self, local) -> torch.Tensor | None:
+        """Values of this rank's own :class:`~megacritic.data.rollouts.Rollouts` ``local`` (a trainer that deals
+        its batches to data-parallel ranks itself): what :meth:`compute_values` computes for this rank's
+        shard, float32 [len(local), R] on the device, on the last pipeline stage (None on the others)."""
+        return self._require_model().local_values(local)
+
     def zero_grad(self) -> None:
         self._require_model().zero_grad()
 
-    def optimizer_step(self, loss_finite: bool = True) -> tuple[bool, float]:
-        """(applied, grad norm): skipped, weights kept and NaN, when the loss or a gradient is not finite."""
-        return self._require_model().optimizer_step(loss_finite)
+    def optimizer_step(self, loss_finite: bool = True, grads_finite: bool | None = None) -> tuple[bool, float]:
+        """(applied, grad norm): skipped, weights kept and NaN, when the loss or a gradient is not finite.
+        ``grads_finite``: the caller's read of :meth:`nonfinite_grads` (None: checked here, one more host read)."""
+        return self._require_model().optimizer_step(loss_finite, grads_finite)
+
+    def nonfinite_grads(self) -> torch.Tensor:
+        """A device scalar, non-zero when some rank's gradient buffer holds a non-finite value (collective), for
+        a caller that reads it with its other results, in one host read."""
+        return self._require_model().nonfinite_grads()
 
     def lr_scheduler_step(self) -> float:
         """Advance the LR schedule by one of its units; returns the learning rate now in effect."""

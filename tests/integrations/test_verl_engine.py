@@ -346,3 +346,52 @@ def test_malformed_batch_names_the_key_and_changes_nothing(tiny_model, ray_clust
         with pytest.raises(ray.exceptions.RayTaskError, match=r"missing key\(s\) \['returns'\]"):
             v0_update_critic(critic_wg, broken, config)
         assert torch.equal(v0_compute_values(critic_wg, batch), before)
+
+
+def test_value_loss_read_once_equals_verls_own_per_micro_batch(tiny_model):
+    """In one process: the engine's values equal CriticWorker.compute_values'; verl's value_loss as the engine
+    computes it (partial(value_loss, config=critic), as verl's trainer passes it: metrics kept on the device,
+    read once after the pass) equals verl's own function called on each micro-batch's rows of verl's
+    TensorDict: losses, metrics and gradients bit for bit."""
+    from verl.utils.metric import Metric
+    from verl.workers.engine import EngineRegistry
+
+    from megacritic.integrations.verl.engine import _ValueLoss
+
+    cfg = omega_conf_to_dataclass(trainer_config(tiny_model).critic)
+    engine = EngineRegistry.new("value_model", "megacritic", model_config=cfg.model, engine_config=cfg.engine,
+                                optimizer_config=cfg.optim, checkpoint_config=cfg.checkpoint)
+    engine.initialize()
+    try:
+        batch = verl_batch(seed=0).batch
+        td = left_right_2_no_padding(batch.clone())
+        tu.assign_non_tensor(td, compute_loss=False)
+        values = no_padding_2_padding(engine.infer_batch(td)["model_output"]["values"], td).float()
+        assert torch.equal(values, engine.worker.compute_values(batch))
+        batch["values"] = values
+
+        def verls_own(**kwargs):  # not the partial: the engine calls it on each micro-batch's rows
+            return value_loss(config=cfg, **kwargs)
+
+        runs = []
+        for loss_fn in (partial(value_loss, config=cfg), verls_own):
+            td = left_right_2_no_padding(batch.clone())
+            tu.assign_non_tensor(td, global_batch_size=len(batch))
+            assert _ValueLoss.applies(loss_fn, td) == (loss_fn is not verls_own)
+            engine.optimizer_zero_grad()
+            out = engine.forward_backward_batch(td, loss_fn)
+            grads = [b.grad_data.clone() for chunk in engine.worker.state.model for b in chunk.buffers]
+            runs.append((out, grads))
+        (read_once, grads), (own, own_grads) = runs
+        assert len(own["loss"]) > 1  # several micro-batches
+        assert read_once["loss"] == own["loss"]
+        assert read_once["metrics"].keys() == own["metrics"].keys()
+        for key, metric in own["metrics"].items():
+            if isinstance(metric, Metric):  # vf_loss: one Metric of the micro-batches' values
+                assert (read_once["metrics"][key].values, read_once["metrics"][key].aggregation) == \
+                    (metric.values, metric.aggregation)
+            else:
+                assert read_once["metrics"][key] == metric, key
+        assert all(torch.equal(a, b) for a, b in zip(grads, own_grads))
+    finally:
+        engine.worker.close()

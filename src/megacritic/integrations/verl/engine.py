@@ -11,28 +11,43 @@ verl's engine raises), offload and atomic checkpoints that reshard over layouts.
 
 The path of a batch (``forward_backward_batch``): verl's TensorDict (V0: ``left_right_2_no_padding``'s
 nested tokens beside padded prompts / responses / masks; V1: every field nested, from TransferQueue) is
-read as megacritic's checked :class:`~megacritic.data.rollouts.Rollouts`; every rank's check is agreed
+read once as megacritic's checked :class:`~megacritic.data.rollouts.Rollouts`; every rank's check is agreed
 before any collective, so a malformed batch fails on every rank with the same message, naming the key,
-and nothing changes -> the mini-batch's loss tokens over data-parallel ranks (verl's ``batch_num_tokens``,
-``dp_size``) -> megacritic's micro-batches through Megatron's schedule, where each micro-batch calls verl's
-loss on its rows of verl's TensorDict and values laid out per token as verl reads them; megacritic sums
-gradients over data- and context-parallel ranks where verl's Megatron averages them, so the loss is
-divided by DP x CP -> values back in verl's order, per token (``P_b - 1 + i`` holds response token i).
+and nothing changes. Then:
+
+* values (``infer_batch`` without a loss): ``CriticWorker.compute_values``' own forward on this rank's
+  rollouts (:meth:`~megacritic.CriticWorker.local_values`), laid out per token once at the end
+  (``P_b - 1 + i`` holds response token i, as verl's ``no_padding_2_padding`` reads it).
+* with a loss: the mini-batch's loss tokens over data-parallel ranks (verl's ``batch_num_tokens``,
+  ``dp_size``) -> megacritic's micro-batches through Megatron's schedule, each calling verl's loss on its
+  rows; megacritic sums gradients over data- and context-parallel ranks where verl's Megatron averages
+  them, so the loss is divided by DP x CP. verl's own ``value_loss`` is computed as verl computes it, its
+  metrics kept on the device (:class:`_ValueLoss`); any other loss gets its rows of verl's TensorDict and
+  the values per token (:class:`_TrainerLoss`). The losses, metrics and the step's verdict reach the host in
+  one read after the schedule, as in ``CriticWorker.update_critic``.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from verl.trainer.ppo.core_algos import compute_value_loss
 from verl.utils import tensordict_utils as tu
+from verl.utils.metric import AggregationType, Metric
 from verl.utils.py_functional import append_to_dict
+from verl.utils.torch_functional import masked_mean
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+from verl.workers.utils.losses import value_loss
 
 from megacritic.data.rollouts import BatchError, check_batch, nested_token_values
 from megacritic.integrations.verl.checkpoints import load_latest, save_and_prune
 from megacritic.integrations.verl.config import config_from_verl
 from megacritic.integrations.verl.config_classes import BACKEND
+from megacritic.packing.micro_batches import to_device
+from megacritic.packing.partition import reverse_index
 
 
 def _is_nested(x) -> bool:
@@ -110,6 +125,7 @@ class MegacriticEngine(BaseEngine):
         # verl plans its dispatch (data-parallel rank, output ranks) as soon as the engine exists
         self.ranks = self.worker.setup_parallel()
         self.mode = None
+        self._loss_finite, self._grads_finite = True, None  # the last pass's verdicts, for optimizer_step
         self._saved: list[str] = []  # checkpoint folders written (max_ckpt_to_keep)
         self._built = False
 
@@ -159,7 +175,7 @@ class MegacriticEngine(BaseEngine):
     def optimizer_step(self):
         """The grad norm before clipping; NaN when the step was skipped (a non-finite loss or gradient:
         weights kept)."""
-        _, grad_norm = self.worker.optimizer_step(loss_finite=self._loss_finite)
+        _, grad_norm = self.worker.optimizer_step(loss_finite=self._loss_finite, grads_finite=self._grads_finite)
         return grad_norm
 
     def lr_scheduler_step(self):
@@ -167,48 +183,62 @@ class MegacriticEngine(BaseEngine):
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         """This rank's share of a mini-batch (or of a forward-only batch) through megacritic (module doc).
-        Returns, on the ranks that hold outputs, ``model_output`` (``values``, nested per token),
-        ``loss`` (one float per micro-batch) and ``metrics`` (verl's loss metrics, per micro-batch)."""
+        Returns, on the ranks that hold outputs, ``model_output`` (``values``, nested per token, from a
+        forward-only call), ``loss`` (one float per micro-batch) and ``metrics`` (the loss's metrics, per
+        micro-batch)."""
         rollouts = self._agreed_rollouts(data, need_targets=loss_function is not None)
-        layout = self.worker.layout
-        tokens = torch.tensor([float(rollouts.response_mask.sum()), float(rollouts.seq_lens.sum())],
-                              dtype=torch.float64, device=self.ranks.device)
+        self._loss_finite, self._grads_finite = True, None
+        if forward_only and loss_function is None:
+            # verl's values: CriticWorker.compute_values' own forward on this rank's rollouts
+            values = self.worker.local_values(rollouts)
+            if values is None:
+                return {}
+            return {"model_output": {"values": nested_token_values(values.cpu(), rollouts)}, "loss": [],
+                    "metrics": {}}
+        return self._run_loss(data, rollouts, loss_function, forward_only)
+
+    def _run_loss(self, data, rollouts, loss_function, forward_only: bool) -> dict:
+        """The pass with verl's loss (module doc); the host reads the losses, metrics and the step's verdict
+        once, after the schedule."""
+        layout, groups, device = self.worker.layout, self.worker.groups, self.ranks.device
+        # verl's value_loss normalises over the global mini-batch by these (as verl's Megatron engine); summed
+        # on the host (gloo): no device round trip
+        tokens = torch.stack([rollouts.response_mask.sum(dtype=torch.float64), rollouts.seq_lens.sum().double()])
         if layout.dp > 1:
-            dist.all_reduce(tokens, group=self.worker.groups.dp)
-        self._loss_finite = True
-        if loss_function is not None:
-            # verl's value_loss normalises over the global mini-batch from these (as verl's Megatron engine)
-            tu.assign_non_tensor(data, batch_num_tokens=int(tokens[0]), dp_size=layout.dp)
-        rows_of = _RowSelector(data)
+            dist.all_reduce(tokens, group=groups.dp_gloo)
+        batch_tokens, mini_batch_tokens = (int(x) for x in tokens.tolist())
+        tu.assign_non_tensor(data, batch_num_tokens=batch_tokens, dp_size=layout.dp)
+        # megacritic sums gradients over data- and context-parallel ranks where verl's Megatron averages them
         scale = 1.0 / (layout.dp * layout.cp)
-        dp_group = self.worker.groups.dp
+        if _ValueLoss.applies(loss_function, data):
+            loss = _ValueLoss(loss_function.keywords["config"], data, rollouts, scale, forward_only, device)
+        else:
+            loss = _TrainerLoss(loss_function, data, rollouts, scale, forward_only, groups.dp, device)
+        run = self.worker.forward_backward_batch(rollouts, loss, forward_only, mini_batch_tokens=mini_batch_tokens)
 
-        def loss(rows, vpreds):
-            report = {"values": vpreds.detach()}
-            if loss_function is None:
-                return vpreds.sum() * 0, report
-            sub = rows_of(rows).to(vpreds.device)  # verl's loss reads the targets beside the values
-            flat = _token_values(vpreds, rollouts, rows)
-            value, metrics = loss_function(model_output={"values": flat}, data=sub, dp_group=dp_group)
-            report.update(loss=value.detach().item(), metrics=metrics)
-            return value * scale, report
-
-        run = self.worker.forward_backward_batch(rollouts, loss, forward_only, mini_batch_tokens=int(tokens[1]))
+        n = len(run.outputs)  # micro-batches (none off the last pipeline stage)
+        losses = (torch.stack([o["loss"].reshape(()) for o in run.outputs]).to(device, torch.float64) if n
+                  else torch.zeros(0, dtype=torch.float64, device=device))
+        stats = loss.device_stats(run.outputs)
+        parts = [losses, stats]
         if not forward_only:
             # the same verdict on every rank: the losses live on the last pipeline stage
-            bad = torch.tensor([0.0 if all(torch.isfinite(torch.tensor(o.get("loss", 0.0)))
-                                           for o in run.outputs) else 1.0], device=self.ranks.device)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # (NCCL reduces device tensors only)
-            self._loss_finite = bad.item() == 0
+            bad = (~torch.isfinite(losses)).any().to(torch.float64).reshape(1)
+            if dist.get_world_size() > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX)  # (NCCL reduces device tensors only)
+            # the gradients are reduced now: their check for optimizer_step travels in the same read
+            parts += [bad, self.worker.nonfinite_grads().to(torch.float64).reshape(1)]
+        host = torch.cat(parts).cpu()  # the call's one host read: the device's queue drains here
+        if not forward_only:
+            self._loss_finite, self._grads_finite = bool(host[-2] == 0), bool(host[-1] == 0)
         if not self.ranks.is_last_stage:
             return {}
-        from megacritic.packing.partition import reverse_index
-        values = torch.cat([o["values"] for o in run.outputs])[reverse_index(run.parts).to(run.outputs[0]["values"].device)]
-        output = {"model_output": {"values": nested_token_values(values.float().cpu(), rollouts)},
-                  "loss": [o["loss"] for o in run.outputs if "loss" in o], "metrics": {}}
-        for o in run.outputs:
-            if "metrics" in o:
-                append_to_dict(output["metrics"], o["metrics"])
+        output = {"model_output": {}, "loss": host[:n].tolist(),
+                  "metrics": loss.metrics(run.outputs, host[:n], host[n:n + len(stats)])}
+        if forward_only:
+            values = torch.cat([o["values"] for o in run.outputs])
+            values = values[reverse_index(run.parts).to(values.device)]
+            output["model_output"]["values"] = nested_token_values(values.float().cpu(), rollouts)
         return output
 
     def _agreed_rollouts(self, data, need_targets: bool):
@@ -221,8 +251,14 @@ class MegacriticEngine(BaseEngine):
             rollouts = check_batch(padded_batch(data), need_targets, model.vocab_size, model.max_position_embeddings)
         except BatchError as exc:
             error = str(exc)
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        errors = [error]
+        if dist.get_world_size() > 1:
+            # one small reduction when every check passed; the messages travel only when one failed
+            failed = torch.tensor([float(error is not None)], device=self.ranks.device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if failed.item():
+                errors = [None] * dist.get_world_size()
+                dist.all_gather_object(errors, error)
         for rank, message in enumerate(errors):
             if message is not None:
                 raise BatchError(message if message == error else f"rank {rank}'s share of the batch: {message}")
@@ -260,14 +296,91 @@ class MegacriticEngine(BaseEngine):
                                   "engine")
 
 
-class _RowSelector:
-    """Rows of verl's TensorDict (nested fields included) for one micro-batch; non-tensor entries kept."""
+class _ValueLoss:
+    """verl's ``value_loss`` (``partial(value_loss, config=critic)``, what verl's trainer passes) computed as
+    verl computes it, without its three host reads per micro-batch: its ``compute_value_loss`` and
+    ``masked_mean`` on the same tensors (the values [rows, R] that ``no_padding_2_padding`` would give back,
+    the targets that ``data.select(...).to_padded_tensor()`` gives), with the metrics kept on the device
+    until the pass has run and read with the losses in one go (:meth:`metrics`: the same keys and
+    aggregation as verl's)."""
 
-    def __init__(self, data):
-        self.data = data
+    def __init__(self, config, data, rollouts, scale: float, forward_only: bool, device):
+        self.config, self.scale, self.forward_only, self.device = config, scale, forward_only, device
+        self.dp_size, self.batch_num_tokens = data["dp_size"], data["batch_num_tokens"]
+        self.global_batch_size = data["global_batch_size"]
+        # the targets copied to the device once per call (asynchronously, from pinned memory)
+        self.targets = [to_device(x, device) for x in (rollouts.values, rollouts.returns, rollouts.response_mask)]
 
-    def __call__(self, rows):
-        return tu.index_select_tensor_dict(self.data, torch.tensor(rows, dtype=torch.long))
+    @staticmethod
+    def applies(loss_function, data) -> bool:
+        """Is ``loss_function`` verl's value_loss, on a batch where the padded width does not matter? (With
+        nested targets verl pads each micro-batch to its own longest response, which
+        ``seq-mean-token-sum-norm`` without a loss_scale_factor divides by.)"""
+        if not (isinstance(loss_function, partial) and loss_function.func is value_loss and not loss_function.args
+                and set(loss_function.keywords) == {"config"}):
+            return False
+        config = loss_function.keywords["config"]
+        return not (config.loss_agg_mode == "seq-mean-token-sum-norm" and config.loss_scale_factor is None
+                    and _is_nested(data.get("response_mask", None)))
+
+    def __call__(self, rows, vpreds):
+        index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
+        values, returns, mask = (x[index] for x in self.targets)
+        mask = mask.to(bool)
+        config = self.config
+        vf_loss, clipfrac = compute_value_loss(
+            vpreds=vpreds, values=values, returns=returns, response_mask=mask,
+            cliprange_value=config.cliprange_value, loss_agg_mode=config.loss_agg_mode, dp_size=self.dp_size,
+            batch_num_tokens=self.batch_num_tokens, global_batch_size=self.global_batch_size,
+            loss_scale_factor=config.loss_scale_factor)
+        report = {"loss": vf_loss.detach(),
+                  "stats": torch.stack([clipfrac, masked_mean(vpreds, mask)]).detach().to(torch.float64)}
+        if self.forward_only:
+            report["values"] = vpreds.detach()
+        return vf_loss * self.scale, report
+
+    def device_stats(self, outputs) -> torch.Tensor:
+        """The metrics the host reads after the pass, float64 on the device."""
+        return torch.cat([o["stats"] for o in outputs]) if outputs else torch.zeros(0, dtype=torch.float64,
+                                                                                      device=self.device)
+
+    def metrics(self, outputs, losses: torch.Tensor, stats: torch.Tensor) -> dict:
+        """verl's value_loss metrics per micro-batch, from the host copies of the losses and device_stats."""
+        summed = (self.dp_size > 1 or self.batch_num_tokens is not None or self.global_batch_size is not None
+                  or self.config.loss_scale_factor is not None)
+        aggregation = AggregationType.SUM if summed else AggregationType.MEAN
+        metrics: dict = {}
+        for vf_loss, (clipfrac, vpred_mean) in zip(losses.tolist(), stats.view(-1, 2).tolist()):
+            append_to_dict(metrics, {"critic/vf_loss": Metric(value=vf_loss, aggregation=aggregation),
+                                     "critic/vf_clipfrac": clipfrac, "critic/vpred_mean": vpred_mean})
+        return metrics
+
+
+class _TrainerLoss:
+    """Any other loss of verl's: called per micro-batch on its rows of verl's TensorDict (on the values'
+    device) and the values laid out per token as verl reads them."""
+
+    def __init__(self, loss_function, data, rollouts, scale: float, forward_only: bool, dp_group, device):
+        self.loss_function, self.data, self.rollouts = loss_function, data, rollouts
+        self.scale, self.forward_only, self.dp_group, self.device = scale, forward_only, dp_group, device
+
+    def __call__(self, rows, vpreds):
+        sub = tu.index_select_tensor_dict(self.data, torch.tensor(rows, dtype=torch.long)).to(vpreds.device)
+        flat = _token_values(vpreds, self.rollouts, rows)
+        value, metrics = self.loss_function(model_output={"values": flat}, data=sub, dp_group=self.dp_group)
+        report = {"loss": value.detach(), "metrics": metrics}
+        if self.forward_only:
+            report["values"] = vpreds.detach()
+        return value * self.scale, report
+
+    def device_stats(self, outputs) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.float64, device=self.device)
+
+    def metrics(self, outputs, losses: torch.Tensor, stats: torch.Tensor) -> dict:
+        metrics: dict = {}
+        for o in outputs:
+            append_to_dict(metrics, o["metrics"])
+        return metrics
 
 
 def _token_values(vpreds, rollouts, rows):
