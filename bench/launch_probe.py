@@ -54,6 +54,19 @@ class OneLayer(torch.nn.Module):
         return self.layer(x, attention_mask=None, packed_seq_params=self.pack)[0]
 
 
+def fresh_leaves(module) -> None:
+    """Give ``module`` new parameter objects over the same storage (and attributes: main_grad ...): Megatron's
+    DDP created the old parameters' gradient accumulators on the default (legacy) stream when it wrapped the
+    model, and autograd runs each accumulation on its node's stream, which a capture on another stream cannot
+    depend on. New leaves get their accumulators in the warm-up, on the capture's side stream."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                new = torch.nn.Parameter(param.data, requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)
+                sub._parameters[name] = new
+
+
 def pack_of(model, lengths: list[int], total: int, device, dtype) -> Pack:
     """A pack of rollouts of ``lengths`` (a trailing dummy rollout fills it to ``total``), with its RoPE."""
     if total > sum(lengths):
@@ -122,6 +135,7 @@ def probe(shape_name: str, budget: int, iters: int, cuda: bool, extra: list[str]
             pack = pack_of(model, split(budget, median_rollout), budget, device, dtype)
             x = torch.randn(budget, 1, config.model.hidden_size, device=device, dtype=dtype, requires_grad=True)
             try:
+                fresh_leaves(layer)
                 graphed = torch.cuda.make_graphed_callables(OneLayer(layer, pack), (x,))
                 result["graphed"] = time_layer(graphed, x, torch.randn_like(x), iters, cuda)
             except Exception as exc:  # noqa: BLE001 - reported: the eager figures still stand
