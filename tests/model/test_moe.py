@@ -26,7 +26,9 @@ from megacritic.data.sources import SyntheticRollouts
 from megacritic.hf.config import export_family
 from megacritic.model.value_model import padded_vocab_size
 from megacritic.model.weights import ExpertRanks, hf_from_megatron, hf_shapes, megatron_tensor
-from test_hf import _copy_with, _hf_values, _perturbed, _rel, _tensors
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "hf"))  # test_hf's helpers, also when this file runs alone
+from test_hf import _copy_with, _hf_values, _perturbed, _rel, _tensors  # noqa: E402
 
 COMMON = dict(vocab_size=67, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               rms_norm_eps=1e-5)
@@ -367,6 +369,7 @@ def test_trained_export_computes_our_values(runs, layout, name):
 def test_checkpoint_reloads_the_trained_critic(runs, layout):
     got = runs[layout][1][CHECKPOINTED]
     assert got["reloaded"] == got["values_after"]  # bit for bit: same layout, same weights
+    assert got["snapshot_same"] and all(got["snapshot_same"].values()), got["snapshot_same"]  # bit for bit
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ MODELS.json maps a name to [model folder, value_head_init, [extra dotted overrid
 For each model: import it (model.path), compute values on a batch, export (OUT_DIR/<name>/import), train
 three optimizer steps (three mini-batches of one update_critic call), compute values again, export
 (OUT_DIR/<name>/trained) and, if asked, save a checkpoint, which a fresh worker loads and computes the values
-from once more. Rank 0 writes OUT_DIR/results.json with the batch, the values, the metrics and the routers'
+from once more, then a snapshot, restored in another fresh worker: the update after it, run on both sides of
+the restart, must give the same metrics. Rank 0 writes OUT_DIR/results.json with the batch, the values, the metrics and the routers'
 weights before and after training (to check model.freeze_moe_router).
 """
 
@@ -53,7 +54,7 @@ def run(out: Path, models: dict, overrides: list[str]) -> dict:
         after = worker.compute_values(batch)
         worker.export_hf(str(out / name / "trained"))
         routers_after = _router_sum(worker)
-        reloaded = None
+        reloaded = snapshot_same = None
         if with_checkpoint:
             saved = worker.save_checkpoint(str(out / name / "checkpoints"), 1, {})
             worker.close()
@@ -61,9 +62,21 @@ def run(out: Path, models: dict, overrides: list[str]) -> dict:
             worker.init_model()
             worker.load_checkpoint(saved)
             reloaded = worker.compute_values(batch).tolist()
+            # a snapshot (CriticGroup's restart format: each rank's optimizer shards as they are, the experts'
+            # optimizer of its own under EP > 1) restores the exact state in a fresh worker
+            snapshot = worker.save_checkpoint(str(out / name / "snapshots"), 1, {}, snapshot=True)
+            before_restart = worker.update_critic(batch)
+            worker.close()
+            worker = CriticWorker(config)
+            worker.init_model()
+            worker.load_checkpoint(snapshot)
+            after_restart = worker.update_critic(batch)
+            snapshot_same = {key: before_restart[key] == after_restart[key] for key in before_restart
+                             if not key.startswith(("timing_s/", "perf/"))}
         worker.close()
         results[name] = {key: batch[key].tolist() for key in ("input_ids", "attention_mask", "position_ids")}
         results[name].update(values=values.tolist(), values_after=after.tolist(), reloaded=reloaded,
+                             snapshot_same=snapshot_same,
                              metrics=metrics,
                              routers=[routers_before, routers_after], seed=config.megatron.seed)
     return results
