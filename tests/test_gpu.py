@@ -11,6 +11,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # FlashAttention-2: FA4's backward accumulates dq in no fixed order, so two FA4 runs of the same step differ
 # by more than bf16 rounding of the weights after a few steps (measured: 0.0219 against a bound of 0.02 in
 # the CPU-optimizer comparison), and such a test would measure the kernel instead of what it is about.
+# (megatron.full_determinism makes both deterministic: test_full_determinism_makes_two_bf16_runs_bit_identical.)
 PINNED_KERNEL = "model.attention_impl=fa2"
 
 
@@ -164,6 +165,23 @@ def test_whole_critic_fa4_matches_fa2():
     print(report)
     assert report["values"] < 1e-2 and report["values after a step"] < 2e-2, report
     assert report["critic/vf_loss"] < 1e-2 and report["critic/grad_norm"] < 2e-2, report
+
+
+@pytest.mark.parametrize("impl", ["fa2", pytest.param("fa4", marks=needs_fa4)])
+def test_full_determinism_makes_two_bf16_runs_bit_identical(impl):
+    """megatron.full_determinism: two runs of two updates give the same values and metrics to the bit (every
+    op of the critic has a deterministic kernel: torch's strict mode would raise otherwise)."""
+    try:
+        runs = [_critic_run([f"model.attention_impl={impl}", "megatron.full_determinism=true"], steps=2)
+                for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)  # process-global: the other tests run as before
+    (v1, m1, a1, impl1), (v2, m2, a2, _) = runs
+    assert impl1 == impl
+    assert torch.equal(v1, v2) and torch.equal(a1, a2)
+    for step1, step2 in zip(m1, m2):
+        for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
+            assert step1[key] == step2[key], key
 
 
 @pytest.mark.parametrize("recompute", [
