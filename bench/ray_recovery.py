@@ -32,6 +32,7 @@ import ray
 import torch
 
 from megacritic.bench import SHAPES, megacritic_overrides, rollouts
+from megacritic.bench.results import git_commit
 from megacritic.config.load import load_config
 from megacritic.ray import CriticGroup
 
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
         for key in filter(_reproducible, a):
             same_metrics[f"{key} (update {i + 1})"] = _equal(a[key], b[key])
     device = torch.cuda.get_device_name() if cuda else "cpu"
-    commit = args.commit or _commit()
+    commit = args.commit or git_commit()["commit"] or "?"
     print(f"\n{args.shape}, {args.rollouts} rollouts x {args.calls} PPO iterations, one rank on {device}, "
           f"snapshot_every={args.snapshot_every}; commit {commit}")
     print(f"{'phase':48} {'uninterrupted s':>16} {'killed run s':>13}")
@@ -179,14 +180,6 @@ def main(argv=None) -> int:
                        "values_identical": [s for s, _ in same_values],
                        "metrics_differing": {k: d for k, (s, d) in same_metrics.items() if not s}}, f, indent=1)
     return 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "?"
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import time
 import traceback
 import warnings
@@ -41,14 +40,6 @@ import torch.distributed as dist
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter_tensor",
                "broadcast", "broadcast_object_list", "barrier", "all_to_all_single", "gather", "scatter")
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def spread(seconds: list[float]) -> dict:
@@ -139,7 +130,8 @@ def main():
                     help="also write a cProfile of one call of each kind to PREFIX-<kind>.prof")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
-    commit = args.commit or git_commit()
+    from megacritic.bench.results import git_commit
+    commit = args.commit or git_commit()["commit"] or "unknown"
     cuda = torch.cuda.is_available()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")

@@ -105,8 +105,7 @@ class MegatronPPOCritic:
                 chunk.train(mode)
         if not self.ranks.is_last_stage:
             return None
-        values = torch.cat([o["values"][: len(p)] for o, p in zip(run.outputs, run.parts)])
-        values = values[to_device(reverse_index(run.parts), values.device)]  # micro-batches -> input order
+        values = run.values()
         if self.layout.cp > 1:
             # Each context-parallel rank filled the values at the positions it holds and zeros elsewhere:
             # their sum is exact.

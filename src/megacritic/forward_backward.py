@@ -27,7 +27,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megacritic.config import ModelConfig, moe_layer_pattern
 from megacritic.data.rollouts import Rollouts
 from megacritic.losses import value_loss_and_stats
-from megacritic.packing.micro_batches import MicroBatch, MicroBatchPolicy
+from megacritic.packing.micro_batches import MicroBatch, MicroBatchPolicy, to_device
+from megacritic.packing.partition import reverse_index
 from megacritic.parallel import ParallelLayout, ProcessGroups, Ranks
 
 # Megatron-Core's timer names (with the log level it creates them at) -> our timing_s/* metric. The schedule's
@@ -150,6 +151,12 @@ class Pass:
     outputs: list[dict]     # per micro-batch: the loss function's report (empty off the last stage)
     data_seconds: float     # micro-batch planning, packing and copies to the device
     moe_aux_loss: float | None = None  # training passes of MoE models (MoEAuxLoss.value)
+
+    def values(self) -> torch.Tensor:
+        """The values the outputs report (``"values"``, [rows, R] per micro-batch, padding rows after them), of
+        the rank's rollouts in their input order, on the last pipeline stage."""
+        values = torch.cat([o["values"][: len(p)] for o, p in zip(self.outputs, self.parts)])
+        return values[to_device(reverse_index(self.parts), values.device)]  # micro-batches -> input order
 
 
 class ForwardBackward:

@@ -37,6 +37,14 @@ def _router_sum(worker) -> float:
     return float(total)
 
 
+def _restarted(config, folder: str) -> CriticWorker:
+    """A fresh worker with ``folder`` (a checkpoint or a snapshot) loaded."""
+    worker = CriticWorker(config)
+    worker.init_model()
+    worker.load_checkpoint(folder)
+    return worker
+
+
 def run(out: Path, models: dict, overrides: list[str]) -> dict:
     results = {}
     for name, (folder, head_init, extra, with_checkpoint) in models.items():
@@ -58,18 +66,14 @@ def run(out: Path, models: dict, overrides: list[str]) -> dict:
         if with_checkpoint:
             saved = worker.save_checkpoint(str(out / name / "checkpoints"), 1, {})
             worker.close()
-            worker = CriticWorker(config)
-            worker.init_model()
-            worker.load_checkpoint(saved)
+            worker = _restarted(config, saved)
             reloaded = worker.compute_values(batch).tolist()
             # a snapshot (CriticGroup's restart format: each rank's optimizer shards as they are, the experts'
             # optimizer of its own under EP > 1) restores the exact state in a fresh worker
             snapshot = worker.save_checkpoint(str(out / name / "snapshots"), 1, {}, snapshot=True)
             before_restart = worker.update_critic(batch)
             worker.close()
-            worker = CriticWorker(config)
-            worker.init_model()
-            worker.load_checkpoint(snapshot)
+            worker = _restarted(config, snapshot)
             after_restart = worker.update_critic(batch)
             snapshot_same = {key: before_restart[key] == after_restart[key] for key in before_restart
                              if not key.startswith(("timing_s/", "perf/"))}

@@ -47,7 +47,6 @@ from megacritic.integrations.verl.checkpoints import load_latest, save_and_prune
 from megacritic.integrations.verl.config import config_from_verl
 from megacritic.integrations.verl.config_classes import BACKEND
 from megacritic.packing.micro_batches import to_device
-from megacritic.packing.partition import reverse_index
 
 
 def _is_nested(x) -> bool:
@@ -236,9 +235,7 @@ class MegacriticEngine(BaseEngine):
         output = {"model_output": {}, "loss": host[:n].tolist(),
                   "metrics": loss.metrics(run.outputs, host[:n], host[n:n + len(stats)])}
         if forward_only:
-            values = torch.cat([o["values"] for o in run.outputs])
-            values = values[reverse_index(run.parts).to(values.device)]
-            output["model_output"]["values"] = nested_token_values(values.float().cpu(), rollouts)
+            output["model_output"]["values"] = nested_token_values(run.values().float().cpu(), rollouts)
         return output
 
     def _agreed_rollouts(self, data, need_targets: bool):
