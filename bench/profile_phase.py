@@ -4,11 +4,16 @@ recompilations, a torch profiler table of one call (top kernels by self CUDA tim
 which then idles while the host prepares the next kernels.
 
     python bench/profile_phase.py [--shape qwen2.5-1.5b] [--phase update|values] [--calls 5] [--trace OUT.json]
-        [--sync-sites] [KEY=VALUE ...]   # config overrides, e.g. model.use_fused_kernels=false
+        [--sync-sites] [--host] [--no-torch-profile] [KEY=VALUE ...]   # overrides, e.g. model.use_fused_kernels=false
+
+``--host``: where the host's time goes in one call (cProfile: the Python functions by own time, and the
+time by library), for steps whose GPU waits on the host to queue kernels.
 """
 
 import argparse
 import collections
+import cProfile
+import pstats
 import time
 import traceback
 import warnings
@@ -31,6 +36,8 @@ def main():
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--sync-sites", action="store_true",
                         help="also list the code that synchronises the host with the GPU in one call, by count")
+    parser.add_argument("--host", action="store_true", help="also profile one call's host time (cProfile)")
+    parser.add_argument("--no-torch-profile", action="store_true", help="skip the torch profiler table")
     args, extra = parser.parse_known_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device (it measures GPU kernels)")
@@ -53,17 +60,55 @@ def main():
         seconds = time.perf_counter() - start
         frames = dict(counters["stats"]) if "stats" in counters else {}
         print(f"call {i}: {seconds:.3f} s, {tokens / seconds:,.0f} real tokens/s, dynamo stats {frames}")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    table = prof.key_averages()
-    print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
-    print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
+    if not args.no_torch_profile:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        table = prof.key_averages()
+        print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+        print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+        launches = sum(e.count for e in table if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                           "cudaLaunchKernelExC"))
+        print(f"kernel launches in one call: {launches}")
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
+    if args.host:
+        print_host_profile(call)
     if args.sync_sites:
         print_sync_sites(call)
     worker.close()
+
+
+def print_host_profile(call) -> None:
+    """One call under cProfile (which slows Python, so shares, not seconds, are what to read): the
+    functions by own time, then the own time summed by library."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    prof.enable()
+    call()
+    prof.disable()
+    torch.cuda.synchronize()
+    print(f"host profile: one call {time.perf_counter() - start:.3f} s under cProfile")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumtime").print_stats(45)
+    by_lib = collections.Counter()
+    for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
+        if filename == "~":  # C functions: torch's ops (their dispatch and kernel launches), builtins
+            by_lib["C calls (torch ops, launches, builtins)"] += tottime
+            continue
+        for lib in ("megacritic", "megatron", "torch/_dynamo", "torch/_inductor", "torch/autograd", "torch/nn",
+                    "torch/cuda", "flash_attn", "cutlass", "torch/_functorch", "torch/utils", "torch"):
+            if f"/{lib}/" in filename or filename.startswith(lib):
+                by_lib[lib] += tottime
+                break
+        else:
+            by_lib["other: " + (filename if filename.startswith("<") else ("/" + filename).rsplit("/", 2)[-2])] += tottime
+    total = sum(by_lib.values())
+    print(f"own time by library (total {total:.3f} s):")
+    for lib, seconds in by_lib.most_common(20):
+        print(f"{seconds:8.3f} s {seconds / total:6.1%}  {lib}")
 
 
 def print_sync_sites(call) -> None:
