@@ -9,6 +9,7 @@
 #   small      bench 0.5B, every system (megacritic-packed in 2 processes)                              ~4
 #   mid        bench 1.5B (16,384 and 32,768) and 3B, megacritic-packed in 2 processes                  ~7
 #   baselines  bench 1.5B and 3B: HF + SDPA padded, megacritic-offload, megacritic-padded, 1 process each ~8
+#   graphs     model.cuda_graphs: its GPU tests, then 0.5B / 1.5B calls timed with it                    ~5
 #   host       where the host's time goes (cProfile) at 0.5B / 1.5B, and two 0.5B A/Bs (unfused, 32k budget) ~5
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
 #   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
@@ -61,19 +62,28 @@ if has profile; then
     >"$OUT/profile.log" 2>&1
   grep -aE "^call|Self CUDA time total|Self CPU time total|synchronisations|^ +[0-9]+  " "$OUT/profile.log" | head -20
 fi
+hostrun() {  # hostrun NAME SECONDS ARGS...: bench/profile_phase.py into OUT/NAME.log, its main lines
+  local name=$1 limit; limit=$(left "$2"); shift 2
+  step "profile $name (limit ${limit} s)"
+  timeout "$limit" python3 bench/profile_phase.py "$@" >"$OUT/$name.log" 2>&1
+  echo "exit $?"; grep -aE "^call|Self CUDA time total|kernel launches|synchronisations in|host profile:|own time by|^ +[0-9.]+ s +[0-9.]+%|Error" \
+    "$OUT/$name.log" | head -40
+}
 if has host; then
-  hostrun() {  # hostrun NAME SECONDS ARGS...: bench/profile_phase.py into OUT/NAME.log, its main lines
-    local name=$1 limit; limit=$(left "$2"); shift 2
-    step "host profile $name (limit ${limit} s)"
-    timeout "$limit" python3 bench/profile_phase.py "$@" >"$OUT/$name.log" 2>&1
-    echo "exit $?"; grep -aE "^call|Self CUDA time total|kernel launches|synchronisations in|host profile:|own time by|^ +[0-9.]+ s +[0-9.]+%" \
-      "$OUT/$name.log" | head -40
-  }
   hostrun host-05b-update 150 --shape qwen2.5-0.5b --phase update --calls 4 --host --sync-sites
   hostrun host-05b-values 100 --shape qwen2.5-0.5b --phase values --calls 4 --host --no-torch-profile
   hostrun host-15b-update 150 --shape qwen2.5-1.5b --phase update --calls 3 --host
   hostrun ab-05b-unfused 80 --shape qwen2.5-0.5b --phase update --calls 4 --no-torch-profile model.use_fused_kernels=false
   hostrun ab-05b-32k 80 --shape qwen2.5-0.5b --phase update --calls 4 --no-torch-profile --token-budget 32768
+fi
+if has graphs; then
+  step "graphs: GPU tests of model.cuda_graphs"
+  timeout "$(left 240)" python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu.py -k cuda_graphs \
+    >"$OUT/graphs-tests.log" 2>&1
+  echo "exit $?"; grep -aE "passed|failed|FAILED|Error|error" "$OUT/graphs-tests.log" | tail -15 | cut -c1-300
+  hostrun graphs-05b-update 120 --shape qwen2.5-0.5b --phase update --calls 4 model.cuda_graphs=true
+  hostrun graphs-05b-values 100 --shape qwen2.5-0.5b --phase values --calls 4 --no-torch-profile model.cuda_graphs=true
+  hostrun graphs-15b-update 150 --shape qwen2.5-1.5b --phase update --calls 3 --no-torch-profile model.cuda_graphs=true
 fi
 if has big; then
   (while sleep 20; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done) >"$OUT/big.mem" &

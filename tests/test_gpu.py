@@ -562,3 +562,25 @@ def test_moe_critic_runs_on_the_gpu_in_both_precisions():
     # bf16 activations against float32 ones, and a token whose top-k is a near tie may go to another expert
     assert _rel(v16, v32) < 5e-2
     assert abs(m16["critic/moe_aux_loss"][0] - m32["critic/moe_aux_loss"][0]) < 5e-2 * m32["critic/moe_aux_loss"][0]
+
+
+@pytest.mark.parametrize("impl", ["fa2", pytest.param("fa4", marks=needs_fa4)])
+def test_cuda_graphs_replay_what_the_same_packs_compute_eagerly(impl):
+    """model.cuda_graphs: the captured forward and backward run the kernels the eager decoder runs on the
+    same fixed-shape packs, so with megatron.full_determinism the values, metrics and values after two
+    updates equal the eager run's to the bit; and they were replayed (captured once per mode)."""
+    from megacritic.model.cuda_graphs import DecoderGraphs
+
+    graphs = [f"model.attention_impl={impl}", "model.cuda_graphs=true", "megatron.full_determinism=true"]
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(DecoderGraphs, "_fits", lambda *args: False)
+            eager = _critic_run(graphs, steps=2)
+        replayed = _critic_run(graphs, steps=2)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (v1, m1, a1, _), (v2, m2, a2, _) = eager, replayed
+    assert torch.equal(v1, v2) and torch.equal(a1, a2)
+    for step1, step2 in zip(m1, m2):
+        for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean"):
+            assert step1[key] == step2[key], key

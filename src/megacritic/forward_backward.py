@@ -187,7 +187,7 @@ class ForwardBackward:
         start = time.perf_counter()
         parts = self.policy.plan(local.seq_lens, forward_only, partial(max_over_dp, layout=self.layout, groups=self.groups))
         micro_batches = self.policy.build(local, parts, weights=weights, device=self.ranks.device,
-                                          cp_rank=self.ranks.cp_rank)
+                                          cp_rank=self.ranks.cp_rank, forward_only=forward_only)
         data_seconds = time.perf_counter() - start
         if not forward_only:
             self.moe.start(mini_batch_tokens)

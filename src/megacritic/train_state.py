@@ -21,6 +21,7 @@ from megatron.core.transformer import TransformerConfig
 from megacritic.compat.kernels import precision_aware_without_te, use_fused_adamw
 from megacritic.config import ConfigError, CriticConfig, is_moe
 from megacritic.hf.safetensors_reader import weight_source
+from megacritic.model.cuda_graphs import DecoderGraphs
 from megacritic.model.value_model import build_value_model, padded_vocab_size
 from megacritic.model.weights import load_full_weights
 from megacritic.optim import MOMENT_DTYPES, use_moment_dtypes
@@ -107,6 +108,9 @@ def build_model(config: CriticConfig, tconfig: TransformerConfig, layout: Parall
                                                use_distributed_optimizer=mg.use_distributed_optimizer)
     model = [DistributedDataParallel(tconfig, ddp_config, chunk) for chunk in chunks]
     tconfig.finalize_model_grads_func = _FinalizeGrads()
+    if cfg.model.cuda_graphs:  # after DDP: the graphs' weights carry their main_grad
+        for chunk in chunks:
+            DecoderGraphs.install(chunk.decoder, slots=cfg.model.cuda_graph_max_rollouts + 1)
     return model
 
 

@@ -146,6 +146,19 @@ class ModelConfig:
     (one ``scaled_dot_product_attention`` call per rollout), or auto (fa4 where it is importable and the GPU
     supports it, else fa2). Padded micro-batches and CPU runs always use SDPA. The choice made is reported
     in the bench rows."""
+    cuda_graphs: bool = False
+    """Replay the decoder layers as CUDA graphs: every packed micro-batch is padded to the token budget (a
+    trailing dummy rollout that carries no loss), so each call's shapes are the same, and its forward (and
+    backward) run as one graph launch each instead of thousands of kernel launches. Pays where the host
+    cannot queue kernels as fast as the GPU runs them (small models: bench/NOTES.md); the padding is
+    computed but not counted. Needs packed micro-batches with a token budget (use_remove_padding,
+    use_dynamic_bsz), one pipeline stage, tensor and context parallel size 1, a dense model, no activation
+    recompute and no parameter offload. A pack of more than ``cuda_graph_max_rollouts`` rollouts runs
+    eagerly. Graph memory: the activations of one budget-sized micro-batch, kept for the process. On the CPU
+    (tests) the captured calls are re-run instead of replayed."""
+    cuda_graph_max_rollouts: int = 64
+    """With cuda_graphs: the most rollouts of a pack the graphs take (the attention kernel's boundary table
+    has this many slots; the unused ones are empty sequences)."""
 
 
 @dataclass
@@ -531,6 +544,30 @@ def _check_lr_schedule(o: "OptimConfig") -> None:
              f"{'update_critic calls' if o.schedule_unit == 'call' else 'optimizer steps'})")
 
 
+def _check_cuda_graphs(config: CriticConfig) -> None:
+    """model.cuda_graphs replays one fixed-shape micro-batch at a time through one model chunk."""
+    m, mg = config.model, config.megatron
+    positive("model.cuda_graph_max_rollouts", m.cuda_graph_max_rollouts)
+    why = None
+    if not m.use_remove_padding:
+        why = "needs packed micro-batches: set model.use_remove_padding=true"
+    elif not config.use_dynamic_bsz:
+        why = ("pads every pack to the token budget: set use_dynamic_bsz=true with ppo_max_token_len_per_gpu "
+               "(and forward_max_token_len_per_gpu)")
+    elif mg.pipeline_model_parallel_size > 1 or (mg.virtual_pipeline_model_parallel_size or 1) > 1:
+        why = "needs megatron.pipeline_model_parallel_size=1 (a pipeline keeps several micro-batches in flight)"
+    elif mg.tensor_model_parallel_size > 1 or mg.context_parallel_size > 1:
+        why = "needs megatron.tensor_model_parallel_size=1 and megatron.context_parallel_size=1"
+    elif is_moe(m):
+        why = "needs a dense model (mixture-of-experts layers route a varying number of tokens to each expert)"
+    elif mg.recompute_granularity is not None:
+        why = "cannot be combined with activation recompute (megatron.recompute_granularity)"
+    elif mg.param_offload:
+        why = "cannot be combined with megatron.param_offload (the graphs read the parameters where they are)"
+    if why:
+        fail("model.cuda_graphs", True, why)
+
+
 def validate(config: CriticConfig) -> None:
     """Every check of the library's settings that does not need the world size; pure (no I/O, nothing
     changed). Raises ConfigError on the first problem. The ``megacritic train`` settings (data.*,
@@ -621,6 +658,8 @@ def validate(config: CriticConfig) -> None:
         fail("loss_scale_factor", config.loss_scale_factor, "must be positive, or null (the response width)")
     if m.attention_impl not in ATTENTION_IMPLS:
         fail("model.attention_impl", m.attention_impl, f"choose one of {', '.join(ATTENTION_IMPLS)}")
+    if m.cuda_graphs:
+        _check_cuda_graphs(config)
     if mg.recompute_granularity is not None:
         if mg.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             fail("megatron.recompute_granularity", mg.recompute_granularity,

@@ -181,8 +181,10 @@ def _varlen_causal(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, 
         return out.reshape(q.shape[0], -1)
     outs = []
     for qa, qe, ka, ke in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
-        qs, ks, vs = q[qa:qe].transpose(0, 1), k[ka:ke].transpose(0, 1), v[ka:ke].transpose(0, 1)  # [h, len, d]
         lq, lk = qe - qa, ke - ka
+        if lq == 0:  # an empty slot of a fixed-shape pack (model.cuda_graphs)
+            continue
+        qs, ks, vs = q[qa:qe].transpose(0, 1), k[ka:ke].transpose(0, 1), v[ka:ke].transpose(0, 1)  # [h, len, d]
         # SDPA's is_causal aligns the diagonal to the top left when lengths differ: give the mask instead.
         mask = None if lq == lk else torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,

@@ -95,14 +95,16 @@ def plan_micro_batches(seq_lens: list[int], *, micro_batch_size: int | None, max
 
 def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_multiple: int = 1,
                       pad_to: tuple[int, int] | None = None, weights: Tensor | None = None,
-                      device=None, cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
+                      device=None, cp_size: int = 1, cp_rank: int = 0, sequence_slots: int | None = None) -> MicroBatch:
     """Tensors of one micro-batch from ``rows`` of ``rollouts`` (see module doc).
 
     ``seq_multiple`` rounds the sequence (padded) or this rank's pack (packed) length up, as sequence
     parallelism needs a multiple of TP. ``pad_to`` = (rows, length) fixes the shape, for pipelines that
     need equal micro-batch shapes: extra rows are dummies, extra pack length a dummy trailing sequence
     (length: of the whole pack, before a context-parallel split). ``cp_size`` > 1 (packed only): this
-    context-parallel rank's share of the pack (module doc).
+    context-parallel rank's share of the pack (module doc). ``sequence_slots`` (packed): give the pack's
+    boundaries this many sequences where it has fewer, the extra ones empty at its end (the fixed shape of
+    a pack replayed by a CUDA graph).
     """
     sel = torch.tensor(rows, dtype=torch.long)
     p, r, lens = rollouts.prompt_lens[sel], rollouts.response_lens[sel], rollouts.seq_lens[sel]
@@ -131,6 +133,8 @@ def build_micro_batch(rollouts: Rollouts, rows: list[int], *, packed: bool, seq_
         padding = torch.ones(total, dtype=torch.bool)
         padding[placed] = False
         cu = starts if total == starts[-1] else torch.cat([starts, torch.tensor([total])])
+        if sequence_slots is not None and len(cu) - 1 < sequence_slots:
+            cu = torch.cat([cu, cu[-1:].expand(sequence_slots - (len(cu) - 1))])
         seq_lens = cu[1:] - cu[:-1]
         position_ids = torch.arange(total) - torch.repeat_interleave(cu[:-1], seq_lens)
         value_index = starts[:-1, None] + value_pos
@@ -204,6 +208,7 @@ class MicroBatchPolicy:
     multiple_of: int     # micro-batches per call: a multiple of this (the interleaved pipeline's group)
     cp: int              # context-parallel ranks sharing each micro-batch
     fixed_shape: bool    # every micro-batch of a call padded to one shape (the PP=2 + VPP pipeline)
+    graph_slots: int | None = None  # model.cuda_graphs: packs padded to the token budget, with this many sequences
 
     @classmethod
     def from_config(cls, config, layout) -> "MicroBatchPolicy":
@@ -217,9 +222,11 @@ class MicroBatchPolicy:
             train = MicroBatchSizing(config.ppo_micro_batch_size_per_gpu, None)
             forward = MicroBatchSizing(config.forward_micro_batch_size_per_gpu or config.ppo_micro_batch_size_per_gpu,
                                        None)
+        graphs = config.model.cuda_graphs
         return cls(train=train, forward=forward, packed=config.model.use_remove_padding,
                    seq_multiple=layout.seq_multiple, multiple_of=layout.micro_batch_multiple, cp=layout.cp,
-                   fixed_shape=layout.fixed_micro_batch_shape)
+                   fixed_shape=layout.fixed_micro_batch_shape,
+                   graph_slots=config.model.cuda_graph_max_rollouts + 1 if graphs else None)
 
     def plan(self, seq_lens: Tensor, forward_only: bool, max_over_ranks: Callable[[int], int]) -> list[list[int]]:
         """This rank's micro-batches (rollout indices), the same count on every data-parallel rank."""
@@ -231,8 +238,11 @@ class MicroBatchPolicy:
         return plan_micro_batches(seq_lens.tolist(), micro_batch_size=sizing.size, max_tokens=sizing.max_tokens,
                                   multiple_of=self.multiple_of, max_over_ranks=max_over_ranks)
 
-    def pad_to(self, seq_lens: Tensor, parts: list[list[int]]) -> tuple[int, int] | None:
-        """The one shape of every micro-batch of a call, where the pipeline needs it (None: free shapes)."""
+    def pad_to(self, seq_lens: Tensor, parts: list[list[int]], forward_only: bool = False) -> tuple[int, int] | None:
+        """The one shape of every micro-batch of a call, where the pipeline or the CUDA graphs need it (None:
+        free shapes)."""
+        if self.graph_slots is not None:  # the budget (validation: packed, by token budget, no pipeline)
+            return 1, (self.forward if forward_only else self.train).max_tokens
         if not self.fixed_shape:
             return None
         if self.packed:
@@ -240,8 +250,9 @@ class MicroBatchPolicy:
         return max(len(p) for p in parts), round_up(int(seq_lens.max()), self.seq_multiple)
 
     def build(self, rollouts: Rollouts, parts: list[list[int]], *, weights: Tensor | None, device,
-              cp_rank: int) -> list[MicroBatch]:
+              cp_rank: int, forward_only: bool = False) -> list[MicroBatch]:
         """The micro-batches of ``parts`` of ``rollouts``, on ``device``."""
-        pad_to = self.pad_to(rollouts.seq_lens, parts)
+        pad_to = self.pad_to(rollouts.seq_lens, parts, forward_only)
         return [build_micro_batch(rollouts, p, packed=self.packed, seq_multiple=self.seq_multiple, pad_to=pad_to,
-                                  weights=weights, device=device, cp_size=self.cp, cp_rank=cp_rank) for p in parts]
+                                  weights=weights, device=device, cp_size=self.cp, cp_rank=cp_rank,
+                                  sequence_slots=self.graph_slots) for p in parts]

@@ -1,0 +1,296 @@
+"""The decoder replayed as CUDA graphs (``model.cuda_graphs``).
+
+A small critic is bound by the host: at 0.5B one update queues ~8,400 kernels, and the host takes ~1 s to
+queue what the GPU runs in ~0.46 s (bench/NOTES.md). With every pack padded to the token budget
+(:class:`megacritic.packing.micro_batches.MicroBatchPolicy`) the decoder's shapes never change, so its
+forward and backward are captured once and replayed as one launch each.
+
+What a replay reads and writes is fixed at capture: the static input (the embedding's output), the pack's
+boundaries and rotary cos / sin (copied in before each replay), the parameters and their gradient buffers
+(which stay where they are: parameter offload is refused by config validation), and the graph's own memory
+pool for activations. Gradients reach the parameters two ways, as in eager mode: the weights whose
+gradients Megatron's linear layers accumulate inside the GEMM (``gradient_accumulation_fusion``) get them
+inside the backward graph, into their fixed ``main_grad``; every other parameter (norms, biases) gets its
+gradient from the graph's output, handed to autograd, whose hooks (Megatron's DDP) add it to ``main_grad``.
+
+Two details of capturing a module that Megatron's DDP has wrapped:
+* the warm-up and capture run over fresh parameter objects (same storage and attributes): autograd runs a
+  leaf's gradient accumulation on the stream where its accumulator was made, and DDP made the parameters'
+  accumulators on the default stream when it wrapped the model, which a capture on another stream cannot
+  wait for (bench/NOTES.md, "Launch-bound steps");
+* the warm-up runs the real backward, whose fused weight gradients land in ``main_grad``: they are saved
+  before and put back after.
+
+On the CPU (tests) a "graph" re-runs the captured function instead of replaying it, so the whole path (fixed
+shapes, static buffers, gradient routing) runs in the CPU parity suite; capture itself is GPU-tested.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from torch import Tensor
+
+from megacritic.packing.pack import ContextParallelPack, Pack
+
+log = logging.getLogger(__name__)
+
+WARMUP_ITERATIONS = 2  # lazy initialisation (compiled kernels for the shape, cuBLAS / FA4 set-up) before capture
+
+
+class _CudaGraph:
+    """One captured CUDA graph."""
+
+    def __init__(self, pool, stream: torch.cuda.Stream):
+        self.pool, self.stream, self.graph = pool, stream, torch.cuda.CUDAGraph()
+
+    def capture(self, fn):
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _Rerun:
+    """The CPU stand-in: capture runs ``fn`` and keeps its outputs; replay runs it again and copies the new
+    outputs into them (as a replay rewrites a graph's output memory)."""
+
+    def __init__(self, grad: bool):
+        self.grad = grad
+
+    def capture(self, fn):
+        self.fn = fn
+        self.outputs = fn()
+        return self.outputs
+
+    def replay(self) -> None:
+        with torch.set_grad_enabled(self.grad):
+            new = self.fn()
+        for old, fresh in zip(_flat(self.outputs), _flat(new)):
+            if old is not None:
+                old.detach().copy_(fresh)
+
+
+def _flat(x) -> list:
+    return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+@dataclass
+class _Static:
+    """The fixed-address inputs of one captured shape."""
+
+    hidden: Tensor      # [tokens, 1, hidden]
+    cu_seqlens: Tensor  # [slots + 1] int32
+    cos: Tensor         # [tokens, 1, head_dim]
+    sin: Tensor
+    tokens: int
+
+    def pack(self) -> Pack:
+        return Pack(qkv_format="sbhd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+                    max_seqlen_q=self.tokens, max_seqlen_kv=self.tokens, rotary=(self.cos, self.sin))
+
+    def fill(self, hidden: Tensor, pack: Pack) -> None:
+        self.hidden.detach().copy_(hidden)
+        self.cu_seqlens.copy_(pack.cu_seqlens_q)
+        self.cos.copy_(pack.rotary[0])
+        self.sin.copy_(pack.rotary[1])
+
+    @classmethod
+    def like(cls, hidden: Tensor, pack: Pack, requires_grad: bool) -> "_Static":
+        static = cls(hidden=torch.empty_like(hidden).requires_grad_(requires_grad),
+                     cu_seqlens=torch.empty_like(pack.cu_seqlens_q), cos=torch.empty_like(pack.rotary[0]),
+                     sin=torch.empty_like(pack.rotary[1]), tokens=hidden.shape[0])
+        static.fill(hidden, pack)
+        return static
+
+
+class _TrainGraphs:
+    """Forward and backward of the decoder at one shape, for training."""
+
+    def __init__(self, owner: "DecoderGraphs", hidden: Tensor, pack: Pack, kwargs: dict):
+        self.owner = owner
+        self.static = _Static.like(hidden, pack, requires_grad=True)
+        self.grad_out = torch.empty_like(hidden)
+        params = [p for p in owner.decoder.parameters() if p.requires_grad]
+        fused = owner.fused_weights()
+        # The parameters whose gradients leave the graph (the fused weights' stay inside it, in main_grad).
+        self.params = [p for p in params if id(p) not in fused]
+        self.fwd, self.bwd = owner.new_graph(grad=True), owner.new_graph(grad=True)
+        self.out = None
+        fresh = owner.fresh_leaves()
+        leaves = [fresh[id(p)] for p in self.params]
+        pack = self.static.pack()
+
+        def forward():
+            with owner.using(fresh):
+                self.out = owner.eager(hidden_states=self.static.hidden, attention_mask=None,
+                                       packed_seq_params=pack, **kwargs)
+            return self.out
+
+        def backward():
+            return torch.autograd.grad(self.out, [self.static.hidden, *leaves], grad_outputs=self.grad_out,
+                                       allow_unused=True)
+
+        with owner.main_grads_kept():
+            with owner.on_side_stream():
+                for _ in range(WARMUP_ITERATIONS):
+                    forward()
+                    self.grad_out.normal_()
+                    backward()
+                self.out = None
+            self.static_out = self.fwd.capture(forward)
+            self.grads = self.bwd.capture(backward)
+
+    def __call__(self, hidden: Tensor, pack: Pack) -> Tensor:
+        self.static.fill(hidden, pack)
+        return _Replay.apply(self, hidden, *self.params)
+
+
+class _Replay(torch.autograd.Function):
+    """Autograd's view of a training replay: input -> output, with the non-fused parameters as inputs so
+    that their gradients (the backward graph's outputs) go through their accumulators and DDP's hooks."""
+
+    @staticmethod
+    def forward(ctx, graphs: _TrainGraphs, hidden: Tensor, *params: Tensor) -> Tensor:
+        ctx.graphs = graphs
+        graphs.fwd.replay()
+        return graphs.static_out.detach()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        graphs = ctx.graphs
+        graphs.grad_out.copy_(grad)
+        graphs.bwd.replay()
+        return (None, *graphs.grads)
+
+
+class _ForwardGraph:
+    """The decoder's forward at one shape, without autograd (compute_values)."""
+
+    def __init__(self, owner: "DecoderGraphs", hidden: Tensor, pack: Pack, kwargs: dict):
+        self.static = _Static.like(hidden, pack, requires_grad=False)
+        self.graph = owner.new_graph(grad=False)
+        static_pack = self.static.pack()
+
+        def forward():
+            return owner.eager(hidden_states=self.static.hidden, attention_mask=None,
+                               packed_seq_params=static_pack, **kwargs)
+
+        with owner.on_side_stream():
+            for _ in range(WARMUP_ITERATIONS):
+                forward()
+        self.out = self.graph.capture(forward)
+
+    def __call__(self, hidden: Tensor, pack: Pack) -> Tensor:
+        self.static.fill(hidden, pack)
+        self.graph.replay()
+        return self.out
+
+
+class DecoderGraphs:
+    """Stands in for a model chunk's ``decoder.forward``: packs of the fixed shape (``slots`` + 1 boundaries,
+    rotary cos / sin attached: :class:`~megacritic.model.value_model.ValueModel`) replay the graphs captured
+    for their length and mode (training with autograd, or forward only); anything else runs eagerly."""
+
+    def __init__(self, decoder: torch.nn.Module, slots: int):
+        self.decoder, self.slots = decoder, slots
+        self.eager = type(decoder).forward.__get__(decoder)
+        self.cuda = next(decoder.parameters()).is_cuda
+        self.graphs: dict[tuple[bool, int], object] = {}
+        self._eager_reported = False
+        if self.cuda:
+            self.stream = torch.cuda.Stream()
+            self.pools = {True: torch.cuda.graph_pool_handle(), False: torch.cuda.graph_pool_handle()}
+
+    @classmethod
+    def install(cls, decoder: torch.nn.Module, slots: int) -> "DecoderGraphs":
+        """Route ``decoder``'s calls through a new DecoderGraphs (its parameters and state dict unchanged)."""
+        graphs = cls(decoder, slots)
+        decoder.forward = graphs
+        return graphs
+
+    def __call__(self, hidden_states, attention_mask=None, packed_seq_params=None, **kwargs):
+        train = torch.is_grad_enabled() and self.decoder.training
+        if not self._fits(hidden_states, attention_mask, packed_seq_params, kwargs, train):
+            return self.eager(hidden_states=hidden_states, attention_mask=attention_mask,
+                              packed_seq_params=packed_seq_params, **kwargs)
+        key = (train, hidden_states.shape[0])
+        graphs = self.graphs.get(key)
+        if graphs is None:
+            log.info("model.cuda_graphs: capturing the decoder's %s at %d tokens",
+                     "forward and backward" if train else "forward", key[1])
+            kind = _TrainGraphs if train else _ForwardGraph
+            graphs = self.graphs[key] = kind(self, hidden_states, packed_seq_params, kwargs)
+        return graphs(hidden_states, packed_seq_params)
+
+    def _fits(self, hidden, attention_mask, pack, kwargs, train: bool) -> bool:
+        fits = (type(pack) is Pack and pack.rotary is not None and not isinstance(pack, ContextParallelPack)
+                and attention_mask is None and all(v is None for v in kwargs.values())
+                and isinstance(hidden, Tensor) and hidden.dim() == 3 and hidden.shape[1] == 1
+                and pack.cu_seqlens_q is pack.cu_seqlens_kv and pack.cu_seqlens_q.numel() == self.slots + 1
+                and (hidden.requires_grad or not train))
+        if not fits and not self._eager_reported and isinstance(pack, Pack):
+            self._eager_reported = True
+            log.info("model.cuda_graphs: a micro-batch of another shape (e.g. more than %d rollouts in a pack) "
+                     "runs eagerly", self.slots - 1)
+        return fits
+
+    # ------------------------------------------------------------ what a capture needs
+
+    def new_graph(self, grad: bool):
+        return _CudaGraph(self.pools[grad], self.stream) if self.cuda else _Rerun(grad)
+
+    @contextlib.contextmanager
+    def on_side_stream(self):
+        if not self.cuda:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def fused_weights(self) -> set[int]:
+        """ids of the weights whose gradients Megatron's linear layers accumulate in the GEMM (main_grad)."""
+        return {id(m.weight) for m in self.decoder.modules()
+                if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and m.gradient_accumulation_fusion
+                and hasattr(m.weight, "main_grad")}
+
+    def fresh_leaves(self) -> dict[int, torch.nn.Parameter]:
+        """id of each decoder parameter -> a new leaf over the same storage, with the same attributes
+        (main_grad ...)."""
+        fresh = {}
+        for p in self.decoder.parameters():
+            leaf = torch.nn.Parameter(p.data, requires_grad=p.requires_grad)
+            leaf.__dict__.update(p.__dict__)
+            fresh[id(p)] = leaf
+        return fresh
+
+    @contextlib.contextmanager
+    def using(self, fresh: dict[int, torch.nn.Parameter]):
+        """The decoder's modules hold the ``fresh`` leaves instead of their parameters inside."""
+        slots = [(module, name, p) for module in self.decoder.modules() for name, p in module._parameters.items()
+                 if p is not None]
+        try:
+            for module, name, p in slots:
+                module._parameters[name] = fresh[id(p)]
+            yield
+        finally:
+            for module, name, p in slots:
+                module._parameters[name] = p
+
+    @contextlib.contextmanager
+    def main_grads_kept(self):
+        """The fused weights' main_grad as it was before the warm-up's backwards added to it."""
+        fused = self.fused_weights()
+        kept = [(p.main_grad, p.main_grad.clone()) for p in self.decoder.parameters() if id(p) in fused]
+        try:
+            yield
+        finally:
+            for grad, copy in kept:
+                grad.copy_(copy)
