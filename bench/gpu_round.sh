@@ -9,7 +9,8 @@
 #   small      bench 0.5B, every system (megacritic-packed in 2 processes)                              ~4
 #   mid        bench 1.5B (16,384 and 32,768) and 3B, megacritic-packed in 2 processes                  ~7
 #   baselines  bench 1.5B and 3B: HF + SDPA padded, megacritic-offload, megacritic-padded, 1 process each ~8
-#   graphs     model.cuda_graphs: its GPU tests, then 0.5B / 1.5B calls timed with it                    ~5
+#   graphs     model.cuda_graphs: its GPU tests                                                         ~1.5
+#   graph-ab   model.cuda_graphs at 0.5B, 1.5B and 3B, and 1.5B eager: both phases timed                ~6
 #   host       where the host's time goes (cProfile) at 0.5B / 1.5B, and two 0.5B A/Bs (unfused, 32k budget) ~5
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
 #   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
@@ -81,9 +82,12 @@ if has graphs; then
   timeout "$(left 240)" python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu.py -k cuda_graphs \
     >"$OUT/graphs-tests.log" 2>&1
   echo "exit $?"; grep -aE "passed|failed|FAILED|Error|error" "$OUT/graphs-tests.log" | tail -15 | cut -c1-300
-  hostrun graphs-05b-update 120 --shape qwen2.5-0.5b --phase update --calls 4 model.cuda_graphs=true
-  hostrun graphs-05b-values 100 --shape qwen2.5-0.5b --phase values --calls 4 --no-torch-profile model.cuda_graphs=true
-  hostrun graphs-15b-update 150 --shape qwen2.5-1.5b --phase update --calls 3 --no-torch-profile model.cuda_graphs=true
+fi
+if has graph-ab; then  # both phases, 4 calls each: with graphs at every shape, eager at 1.5B (the host's speed varies by machine)
+  hostrun ab-05b-graphs 100 --shape qwen2.5-0.5b --phase both --calls 4 --no-torch-profile model.cuda_graphs=true
+  hostrun ab-15b-graphs 130 --shape qwen2.5-1.5b --phase both --calls 4 --no-torch-profile model.cuda_graphs=true
+  hostrun ab-15b-eager 130 --shape qwen2.5-1.5b --phase both --calls 4 --no-torch-profile
+  hostrun ab-3b-graphs 160 --shape qwen2.5-3b --phase both --calls 3 --no-torch-profile model.cuda_graphs=true
 fi
 if has big; then
   (while sleep 20; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done) >"$OUT/big.mem" &

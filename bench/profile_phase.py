@@ -24,12 +24,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from megacritic import CriticWorker, load_config
 from megacritic.bench import SHAPES, megacritic_overrides, rollouts
+from megacritic.flops import forward_flops, mfu
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
-    parser.add_argument("--phase", default="update", choices=("update", "values"))
+    parser.add_argument("--phase", default="update", choices=("update", "values", "both"),
+                        help="both: time the two phases alternately (the profiles are update_critic's)")
     parser.add_argument("--rollouts", type=int, default=32)
     parser.add_argument("--token-budget", type=int, default=16384)
     parser.add_argument("--calls", type=int, default=5, help="timed calls before the profiled one")
@@ -48,18 +50,24 @@ def main():
     worker.init_model()
     from megacritic.model.layers import attention_impl_of
     print(f"attention kernel: {attention_impl_of(worker.state.model)}")
-    call = (lambda: worker.update_critic(batch)) if args.phase == "update" else (lambda: worker.compute_values(batch))
+    calls = {"update": lambda: worker.update_critic(batch), "values": lambda: worker.compute_values(batch)}
+    phases = ["values", "update"] if args.phase == "both" else [args.phase]
+    call = calls["values" if args.phase == "values" else "update"]
     worker.compute_values(batch)  # one warm-up pair; the timed calls show how soon steady state comes
     worker.update_critic(batch)
-    tokens = int(batch["attention_mask"].sum())
+    seq_lens = batch["attention_mask"].sum(1).tolist()
+    tokens, flops = sum(seq_lens), forward_flops(shape, seq_lens)
     for i in range(args.calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        frames = dict(counters["stats"]) if "stats" in counters else {}
-        print(f"call {i}: {seconds:.3f} s, {tokens / seconds:,.0f} real tokens/s, dynamo stats {frames}")
+        for phase in phases:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            calls[phase]()
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            frames = dict(counters["stats"]) if "stats" in counters else {}
+            used = mfu(flops * (3 if phase == "update" else 1), seconds, 1)
+            print(f"call {i} {phase}: {seconds:.3f} s, {tokens / seconds:,.0f} real tokens/s, MFU {used:.3f}, "
+                  f"dynamo stats {frames}")
     if not args.no_torch_profile:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             call()

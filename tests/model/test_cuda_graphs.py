@@ -1,4 +1,4 @@
-"""model.cuda_graphs: packs padded to the token budget and replayed through the decoder's graphs.
+"""model.cuda_graphs: packs padded to a few lengths and replayed through the decoder's graphs.
 
 On the CPU the "graphs" re-run what they captured (megacritic.model.cuda_graphs), so this checks everything
 but the capture itself (tests/test_gpu.py): the fixed-shape packs (a trailing dummy rollout, empty
@@ -21,7 +21,8 @@ from megacritic.packing.micro_batches import MicroBatchPolicy
 
 BASE = [*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "use_dynamic_bsz=true",
         "ppo_max_token_len_per_gpu=64", "forward_max_token_len_per_gpu=96", "model.num_hidden_layers=2",
-        "data.response_length=[2,20]", "shuffle=false", "model.dtype=float32", "model.cuda_graph_max_rollouts=6"]
+        "data.response_length=[2,20]", "shuffle=false", "model.dtype=float32", "model.cuda_graph_max_rollouts=6",
+        "model.cuda_graph_pack_multiple=16"]
 
 
 def _run(extra, calls=2):
@@ -65,9 +66,12 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
 
 
-def test_graphs_were_captured_and_replayed(graphed, padded_eager):
-    # one training shape (the update budget) and one forward-only shape (the forward budget)
-    assert graphed[5] == [[(False, 96), (True, 64)]]
+def test_graphs_were_captured_per_pack_length(graphed, padded_eager):
+    (keys,) = graphed[5]
+    train = [n for grad, n in keys if grad]
+    forward = [n for grad, n in keys if not grad]
+    assert len(train) > 1 and len(forward) >= 1
+    assert all(n % 16 == 0 or n == 64 for n in train) and all(n % 16 == 0 or n == 96 for n in forward)
     assert padded_eager[5] == [[]]
 
 
@@ -99,10 +103,11 @@ def test_fixed_packs_fill_the_budget_and_the_slots():
         parts = policy.plan(rollouts.seq_lens, forward_only, lambda n: n)
         for mb, part in zip(policy.build(rollouts, parts, weights=None, device=None, cp_rank=0,
                                          forward_only=forward_only), parts):
-            assert mb.input_ids.shape == (1, budget)
-            cu = mb.packed.cu_seqlens_q
-            assert cu.numel() == 6 + 2 and int(cu[-1]) == budget
             real = int(rollouts.seq_lens[part].sum())
+            length = min(-(-real // 16) * 16, budget)
+            assert mb.input_ids.shape == (1, length)
+            cu = mb.packed.cu_seqlens_q
+            assert cu.numel() == 6 + 2 and int(cu[-1]) == length
             assert int(cu[len(part)]) == real and mb.tokens == real
             assert bool((cu[1:] >= cu[:-1]).all())
 
@@ -115,6 +120,7 @@ def test_fixed_packs_fill_the_budget_and_the_slots():
     (["megatron.recompute_granularity=selective"], "recompute"),
     (["megatron.param_offload=true"], "param_offload"),
     (["model.cuda_graph_max_rollouts=0"], "cuda_graph_max_rollouts"),
+    (["model.cuda_graph_pack_multiple=0"], "cuda_graph_pack_multiple"),
 ])
 def test_settings_it_cannot_run_with_are_refused(extra, message):
     with pytest.raises(ConfigError, match=message):

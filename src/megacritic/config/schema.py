@@ -147,18 +147,23 @@ class ModelConfig:
     supports it, else fa2). Padded micro-batches and CPU runs always use SDPA. The choice made is reported
     in the bench rows."""
     cuda_graphs: bool = False
-    """Replay the decoder layers as CUDA graphs: every packed micro-batch is padded to the token budget (a
-    trailing dummy rollout that carries no loss), so each call's shapes are the same, and its forward (and
-    backward) run as one graph launch each instead of thousands of kernel launches. Pays where the host
-    cannot queue kernels as fast as the GPU runs them (small models: bench/NOTES.md); the padding is
+    """Replay the decoder layers as CUDA graphs: every packed micro-batch is padded (a trailing dummy rollout
+    that carries no loss) to one of a few lengths (``cuda_graph_pack_multiple``), and the decoder's forward
+    (and backward) at that length run as one graph launch each instead of thousands of kernel launches.
+    Pays where the host cannot queue kernels as fast as the GPU runs them (bench/NOTES.md); the padding is
     computed but not counted. Needs packed micro-batches with a token budget (use_remove_padding,
     use_dynamic_bsz), one pipeline stage, tensor and context parallel size 1, a dense model, no activation
     recompute and no parameter offload. A pack of more than ``cuda_graph_max_rollouts`` rollouts runs
-    eagerly. Graph memory: the activations of one budget-sized micro-batch, kept for the process. On the CPU
-    (tests) the captured calls are re-run instead of replayed."""
+    eagerly. Graph memory: the activations of the longest pack, kept for the process. On the CPU (tests) the
+    captured calls are re-run instead of replayed."""
     cuda_graph_max_rollouts: int = 64
     """With cuda_graphs: the most rollouts of a pack the graphs take (the attention kernel's boundary table
     has this many slots; the unused ones are empty sequences)."""
+    cuda_graph_pack_multiple: int = 1024
+    """With cuda_graphs: each pack is padded to the next multiple of this many tokens (at most the token
+    budget), and each such length gets its graphs at its first use (all sharing one memory pool: the
+    graphs never run at the same time). Smaller: less padding, more graphs to capture (each a few warm-up
+    passes, once per process)."""
 
 
 @dataclass
@@ -548,6 +553,7 @@ def _check_cuda_graphs(config: CriticConfig) -> None:
     """model.cuda_graphs replays one fixed-shape micro-batch at a time through one model chunk."""
     m, mg = config.model, config.megatron
     positive("model.cuda_graph_max_rollouts", m.cuda_graph_max_rollouts)
+    positive("model.cuda_graph_pack_multiple", m.cuda_graph_pack_multiple)
     why = None
     if not m.use_remove_padding:
         why = "needs packed micro-batches: set model.use_remove_padding=true"

@@ -1,9 +1,9 @@
 """The decoder replayed as CUDA graphs (``model.cuda_graphs``).
 
 A small critic is bound by the host: at 0.5B one update queues ~8,400 kernels, and the host takes ~1 s to
-queue what the GPU runs in ~0.46 s (bench/NOTES.md). With every pack padded to the token budget
-(:class:`megacritic.packing.micro_batches.MicroBatchPolicy`) the decoder's shapes never change, so its
-forward and backward are captured once and replayed as one launch each.
+queue what the GPU runs in ~0.46 s (bench/NOTES.md). With every pack padded to one of a few lengths
+(:meth:`megacritic.packing.micro_batches.MicroBatchPolicy.graph_length`) the decoder sees few shapes, so
+its forward and backward are captured once per length and replayed as one launch each.
 
 What a replay reads and writes is fixed at capture: the static input (the embedding's output), the pack's
 boundaries and rotary cos / sin (copied in before each replay), the parameters and their gradient buffers
@@ -204,8 +204,10 @@ class DecoderGraphs:
         self.graphs: dict[tuple[bool, int], object] = {}
         self._eager_reported = False
         if self.cuda:
-            self.stream = torch.cuda.Stream()
-            self.pools = {True: torch.cuda.graph_pool_handle(), False: torch.cuda.graph_pool_handle()}
+            # One pool for every graph: they never run at the same time (a pack's forward and backward run
+            # before the next pack's, PP=1), and what lives from one replay to the next (static inputs,
+            # outputs and gradients) stays referenced, so a later capture cannot take its memory.
+            self.stream, self.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
 
     @classmethod
     def install(cls, decoder: torch.nn.Module, slots: int) -> "DecoderGraphs":
@@ -243,7 +245,7 @@ class DecoderGraphs:
     # ------------------------------------------------------------ what a capture needs
 
     def new_graph(self, grad: bool):
-        return _CudaGraph(self.pools[grad], self.stream) if self.cuda else _Rerun(grad)
+        return _CudaGraph(self.pool, self.stream) if self.cuda else _Rerun(grad)
 
     @contextlib.contextmanager
     def on_side_stream(self):

@@ -208,7 +208,8 @@ class MicroBatchPolicy:
     multiple_of: int     # micro-batches per call: a multiple of this (the interleaved pipeline's group)
     cp: int              # context-parallel ranks sharing each micro-batch
     fixed_shape: bool    # every micro-batch of a call padded to one shape (the PP=2 + VPP pipeline)
-    graph_slots: int | None = None  # model.cuda_graphs: packs padded to the token budget, with this many sequences
+    graph_slots: int | None = None  # model.cuda_graphs: packs of this many sequences ...
+    graph_multiple: int = 1         # ... padded to a multiple of this many tokens (at most the budget)
 
     @classmethod
     def from_config(cls, config, layout) -> "MicroBatchPolicy":
@@ -226,7 +227,8 @@ class MicroBatchPolicy:
         return cls(train=train, forward=forward, packed=config.model.use_remove_padding,
                    seq_multiple=layout.seq_multiple, multiple_of=layout.micro_batch_multiple, cp=layout.cp,
                    fixed_shape=layout.fixed_micro_batch_shape,
-                   graph_slots=config.model.cuda_graph_max_rollouts + 1 if graphs else None)
+                   graph_slots=config.model.cuda_graph_max_rollouts + 1 if graphs else None,
+                   graph_multiple=config.model.cuda_graph_pack_multiple)
 
     def plan(self, seq_lens: Tensor, forward_only: bool, max_over_ranks: Callable[[int], int]) -> list[list[int]]:
         """This rank's micro-batches (rollout indices), the same count on every data-parallel rank."""
@@ -238,11 +240,8 @@ class MicroBatchPolicy:
         return plan_micro_batches(seq_lens.tolist(), micro_batch_size=sizing.size, max_tokens=sizing.max_tokens,
                                   multiple_of=self.multiple_of, max_over_ranks=max_over_ranks)
 
-    def pad_to(self, seq_lens: Tensor, parts: list[list[int]], forward_only: bool = False) -> tuple[int, int] | None:
-        """The one shape of every micro-batch of a call, where the pipeline or the CUDA graphs need it (None:
-        free shapes)."""
-        if self.graph_slots is not None:  # the budget (validation: packed, by token budget, no pipeline)
-            return 1, (self.forward if forward_only else self.train).max_tokens
+    def pad_to(self, seq_lens: Tensor, parts: list[list[int]]) -> tuple[int, int] | None:
+        """The one shape of every micro-batch of a call, where the pipeline needs it (None: free shapes)."""
         if not self.fixed_shape:
             return None
         if self.packed:
@@ -252,7 +251,15 @@ class MicroBatchPolicy:
     def build(self, rollouts: Rollouts, parts: list[list[int]], *, weights: Tensor | None, device,
               cp_rank: int, forward_only: bool = False) -> list[MicroBatch]:
         """The micro-batches of ``parts`` of ``rollouts``, on ``device``."""
-        pad_to = self.pad_to(rollouts.seq_lens, parts, forward_only)
-        return [build_micro_batch(rollouts, p, packed=self.packed, seq_multiple=self.seq_multiple, pad_to=pad_to,
+        pad_to = [self.pad_to(rollouts.seq_lens, parts)] * len(parts)
+        if self.graph_slots is not None:
+            pad_to = [(1, self.graph_length(int(rollouts.seq_lens[p].sum()), forward_only)) for p in parts]
+        return [build_micro_batch(rollouts, p, packed=self.packed, seq_multiple=self.seq_multiple, pad_to=shape,
                                   weights=weights, device=device, cp_size=self.cp, cp_rank=cp_rank,
-                                  sequence_slots=self.graph_slots) for p in parts]
+                                  sequence_slots=self.graph_slots) for p, shape in zip(parts, pad_to)]
+
+    def graph_length(self, tokens: int, forward_only: bool) -> int:
+        """model.cuda_graphs: the length a pack of ``tokens`` real tokens is padded to (validation: packed, by
+        token budget, no pipeline, no context or sequence parallelism)."""
+        budget = (self.forward if forward_only else self.train).max_tokens
+        return max(tokens, min(round_up(tokens, self.graph_multiple), budget))
