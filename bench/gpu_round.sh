@@ -11,6 +11,7 @@
 #   baselines  bench 1.5B and 3B: HF + SDPA padded, megacritic-offload, megacritic-padded, 1 process each ~8
 #   graphs     model.cuda_graphs: its GPU tests                                                         ~1.5
 #   graph-ab   model.cuda_graphs at 0.5B, 1.5B and 3B, and 1.5B eager: both phases timed                ~6
+#   overlap    0.5B with graphs (also with glibc's malloc keeping freed memory), 0.5B and 1.5B eager   ~6
 #   host       where the host's time goes (cProfile) at 0.5B / 1.5B, and two 0.5B A/Bs (unfused, 32k budget) ~5
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
 #   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
@@ -88,6 +89,13 @@ if has graph-ab; then  # both phases, 4 calls each: with graphs at every shape, 
   hostrun ab-15b-graphs 130 --shape qwen2.5-1.5b --phase both --calls 4 --no-torch-profile model.cuda_graphs=true
   hostrun ab-15b-eager 130 --shape qwen2.5-1.5b --phase both --calls 4 --no-torch-profile
   hostrun ab-3b-graphs 160 --shape qwen2.5-3b --phase both --calls 3 --no-torch-profile model.cuda_graphs=true
+fi
+if has overlap; then  # host work hidden behind the GPU's (micro-batches built as the schedule asks, next step prepared early)
+  hostrun ov-05b-graphs 100 --shape qwen2.5-0.5b --phase both --calls 4 --no-torch-profile model.cuda_graphs=true
+  MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 \
+    hostrun ov-05b-graphs-malloc 100 --shape qwen2.5-0.5b --phase both --calls 4 --no-torch-profile model.cuda_graphs=true
+  hostrun ov-05b-eager 90 --shape qwen2.5-0.5b --phase both --calls 4 --no-torch-profile
+  hostrun ov-15b-eager 120 --shape qwen2.5-1.5b --phase both --calls 4 --no-torch-profile
 fi
 if has big; then
   (while sleep 20; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done) >"$OUT/big.mem" &

@@ -13,6 +13,8 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -128,14 +130,21 @@ class MegatronPPOCritic:
         for rollouts in checked:
             steps = mini_batch_indices(len(rollouts), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle,
                                        cfg.data_loader_seed, call_index=self.state.update_calls)
-            for index, rows in enumerate(steps):
-                mini = rollouts.select(rows)
-                if not mini.response_mask.any():
+            inputs = [None] * (len(steps) + 1)
+
+            def prepare(i: int) -> None:
+                if i < len(steps):
+                    inputs[i] = self._step_inputs(rollouts.select(steps[i]))
+
+            prepare(0)
+            for index in range(len(steps)):
+                if inputs[index] is None:  # no response token in the mini-batch
                     step = self._empty_step(index)
+                    prepare(index + 1)
                 else:
-                    weights = token_weights(mini.response_mask, cfg.loss_agg_mode, horizon=cfg.loss_scale_factor)
-                    local = dp_shards(mini.seq_lens, self.layout.dp, unit=self._dp_unit)[self.ranks.dp_rank]
-                    step = self.train_step(mini.select(local), weights[local], int(mini.seq_lens.sum()))
+                    # the next step's rollouts are selected while the GPU finishes this one's backward
+                    step = self.train_step(*inputs[index], meanwhile=partial(prepare, index + 1))
+                inputs[index] = None
                 # the check and broadcast of the batch, shared out over its steps
                 step["timing_s/data"] += receive_time / (len(steps) * len(checked))
                 for k, v in step.items():
@@ -144,6 +153,16 @@ class MegatronPPOCritic:
         if cfg.optim.schedule_unit == "call":
             self.state.lr_scheduler.step(increment=1)
         return dict(metrics)
+
+    def _step_inputs(self, mini: Rollouts) -> tuple[Rollouts, torch.Tensor, int] | None:
+        """This rank's share of a mini-batch, its loss weights (over the whole mini-batch) and the mini-batch's
+        real tokens: train_step's arguments; None for a mini-batch without a response token."""
+        if not mini.response_mask.any():
+            return None
+        cfg = self.config
+        weights = token_weights(mini.response_mask, cfg.loss_agg_mode, horizon=cfg.loss_scale_factor)
+        local = dp_shards(mini.seq_lens, self.layout.dp, unit=self._dp_unit)[self.ranks.dp_rank]
+        return mini.select(local), weights[local], int(mini.seq_lens.sum())
 
     def _empty_step(self, index: int) -> dict[str, float]:
         """A mini-batch without a single response token has no loss to minimise: no step is taken (an Adam
@@ -157,9 +176,11 @@ class MegatronPPOCritic:
 
     # ---------------------------------------------------------------- one optimizer step
 
-    def train_step(self, local: Rollouts, weights: torch.Tensor, global_tokens: int) -> dict[str, float]:
+    def train_step(self, local: Rollouts, weights: torch.Tensor, global_tokens: int,
+                   meanwhile: Callable[[], None] | None = None) -> dict[str, float]:
         """One optimizer step on this rank's share ``local`` of a mini-batch of ``global_tokens`` real tokens;
-        ``weights``: the share's loss weights, computed over the whole mini-batch."""
+        ``weights``: the share's loss weights, computed over the whole mini-batch. ``meanwhile``: host work run
+        once the step's GPU work is queued, before the host waits for it."""
         start = time.perf_counter()
         self.forward_backward.timers.take()  # drop what earlier forward-only calls left on the timers
         self._zero_grad()
@@ -167,6 +188,8 @@ class MegatronPPOCritic:
             run = self.forward_backward.run(local, weights, mini_batch_tokens=global_tokens)
         with self.doing("update_critic: reducing loss statistics"):
             sums = self._reduce_stats(run.outputs)
+        if meanwhile is not None:
+            meanwhile()
         with self.doing("update_critic: optimizer step"):
             lr = self._lr()
             # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose

@@ -159,6 +159,35 @@ class Pass:
         return values[to_device(reverse_index(self.parts), values.device)]  # micro-batches -> input order
 
 
+class _MicroBatches:
+    """The micro-batches of ``parts``, each built at its first use (``build(parts) -> micro-batches``) and kept
+    for the other model chunks' iterators (virtual pipeline stages walk the same micro-batches)."""
+
+    def __init__(self, build, parts: list[list[int]]):
+        self.build, self.parts = build, parts
+        self.built: list[MicroBatch | None] = [None] * len(parts)
+        self.seconds = 0.0  # spent building
+
+    def __getitem__(self, i: int) -> MicroBatch:
+        if self.built[i] is None:
+            start = time.perf_counter()
+            (self.built[i],) = self.build([self.parts[i]])
+            self.seconds += time.perf_counter() - start
+        return self.built[i]
+
+    def all(self) -> list[MicroBatch]:
+        """Every micro-batch, built together (a pipeline's fixed shape is the largest of them)."""
+        if any(mb is None for mb in self.built):
+            assert not any(self.built), "all() must come before single micro-batches are built"
+            start = time.perf_counter()
+            self.built = self.build(self.parts)
+            self.seconds += time.perf_counter() - start
+        return self.built
+
+    def iterate(self):
+        return ((self[i], part) for i, part in enumerate(self.parts))
+
+
 class ForwardBackward:
     """Runs a rank's rollouts through Megatron's pipeline schedule: forward only (values) or forward and
     backward with gradient reduction (a training mini-batch, loss weights given)."""
@@ -186,27 +215,31 @@ class ForwardBackward:
             forward_only = weights is None
         start = time.perf_counter()
         parts = self.policy.plan(local.seq_lens, forward_only, partial(max_over_dp, layout=self.layout, groups=self.groups))
-        micro_batches = self.policy.build(local, parts, weights=weights, device=self.ranks.device,
-                                          cp_rank=self.ranks.cp_rank, forward_only=forward_only)
-        data_seconds = time.perf_counter() - start
+        micro_batches = _MicroBatches(partial(self.policy.build, local, weights=weights, device=self.ranks.device,
+                                              cp_rank=self.ranks.cp_rank, forward_only=forward_only), parts)
+        shape_b = shape_s = 0
+        if self.layout.pp > 1:
+            # Megatron's pipeline shapes, before the schedule: every micro-batch built up front. Without a
+            # pipeline each is built when the schedule asks for it, while the GPU runs the previous one.
+            shape_b = max(mb.input_ids.shape[0] for mb in micro_batches.all())
+            # Megatron's fixed pipeline shapes divide the sequence by CP: give it the whole pack's length.
+            shape_s = max(mb.input_ids.shape[1] for mb in micro_batches.all()) * self.layout.cp
+        data_seconds = time.perf_counter() - start - micro_batches.seconds
         if not forward_only:
             self.moe.start(mini_batch_tokens)
-        shape_b = max(mb.input_ids.shape[0] for mb in micro_batches)
-        # Megatron's fixed pipeline shapes divide the sequence by CP: give it the whole pack's length.
-        shape_s = max(mb.input_ids.shape[1] for mb in micro_batches) * self.layout.cp
         # each micro-batch travels with its rows of ``local`` (an external loss reads the caller's data by them)
-        iterators = [iter(list(zip(micro_batches, parts))) for _ in self.model]
+        iterators = [micro_batches.iterate() for _ in self.model]
         outputs = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, forward_only, loss),
             data_iterator=iterators if len(self.model) > 1 else iterators[0],
             model=self.model,
-            num_microbatches=len(micro_batches),
+            num_microbatches=len(parts),
             seq_length=shape_s,
             micro_batch_size=shape_b,
             forward_only=forward_only,
         )
         aux = None if forward_only else self.moe.value(len(parts))
-        return Pass(parts, outputs, data_seconds, aux)
+        return Pass(parts, outputs, data_seconds + micro_batches.seconds, aux)
 
     def _forward_step(self, forward_only: bool, loss: "ExternalLoss | None", data_iterator, model):
         mb, rows = next(data_iterator)
