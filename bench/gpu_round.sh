@@ -97,6 +97,12 @@ if has overlap; then  # host work hidden behind the GPU's (micro-batches built a
   hostrun ov-05b-eager 90 --shape qwen2.5-0.5b --phase both --calls 4 --no-torch-profile
   hostrun ov-15b-eager 120 --shape qwen2.5-1.5b --phase both --calls 4 --no-torch-profile
 fi
+if has overlap2; then
+  hostrun ov-05b-graphs-512 90 --shape qwen2.5-0.5b --phase both --calls 4 --no-torch-profile model.cuda_graphs=true \
+    model.cuda_graph_pack_multiple=512
+  hostrun ov-15b-graphs 110 --shape qwen2.5-1.5b --phase both --calls 4 --no-torch-profile model.cuda_graphs=true
+  hostrun ov-3b-eager 140 --shape qwen2.5-3b --phase both --calls 3 --no-torch-profile
+fi
 if has big; then
   (while sleep 20; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done) >"$OUT/big.mem" &
   MEMLOG=$!
