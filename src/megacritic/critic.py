@@ -78,7 +78,8 @@ class MegatronPPOCritic:
             rollouts = self._receive(data, need_targets=False)
         with self.doing("compute_values: forward (Megatron schedule)"):
             shards = dp_shards(rollouts.seq_lens, self.layout.dp)
-            local = self.local_values(rollouts.select(shards[self.ranks.dp_rank]))
+            # (at DP = 1 the rank's shard is the whole batch in order: no copy)
+            local = self.local_values(rollouts if self.layout.dp == 1 else rollouts.select(shards[self.ranks.dp_rank]))
         with self.doing("compute_values: gathering values over data-parallel and pipeline ranks"):
             values = torch.empty((len(rollouts), rollouts.response_width), dtype=torch.float32,
                                  device=self.ranks.device)
@@ -161,6 +162,8 @@ class MegatronPPOCritic:
             return None
         cfg = self.config
         weights = token_weights(mini.response_mask, cfg.loss_agg_mode, horizon=cfg.loss_scale_factor)
+        if self.layout.dp == 1:
+            return mini, weights, int(mini.seq_lens.sum())
         local = dp_shards(mini.seq_lens, self.layout.dp, unit=self._dp_unit)[self.ranks.dp_rank]
         return mini.select(local), weights[local], int(mini.seq_lens.sum())
 
