@@ -139,3 +139,13 @@ def test_moe_gpu_script_runs_its_cpu_tiny_path():
     proc = subprocess.run([sys.executable, str(script), "--cpu-tiny"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "update_critic" in proc.stdout and "real tokens/s" in proc.stdout
+
+
+def test_cuda_graphs_are_megacritic_packed_own_switch_at_the_small_shape():
+    """The offload and padded systems cannot run with model.cuda_graphs (config validation refuses it)."""
+    from megacritic.bench.workloads import system_switches
+
+    assert "model.cuda_graphs=true" in system_switches("qwen2.5-0.5b", "megacritic-packed", [])
+    for system in ("megacritic-offload", "megacritic-padded"):
+        assert "model.cuda_graphs=true" not in system_switches("qwen2.5-0.5b", system, [])
+    assert "model.cuda_graphs=true" not in system_switches("qwen2.5-1.5b", "megacritic-packed", [])

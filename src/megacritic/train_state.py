@@ -25,6 +25,7 @@ from megacritic.model.cuda_graphs import DecoderGraphs
 from megacritic.model.value_model import build_value_model, padded_vocab_size
 from megacritic.model.weights import load_full_weights
 from megacritic.optim import MOMENT_DTYPES, use_moment_dtypes
+from megacritic.packing.micro_batches import MicroBatchPolicy
 from megacritic.parallel import ParallelLayout, Ranks
 
 
@@ -109,8 +110,10 @@ def build_model(config: CriticConfig, tconfig: TransformerConfig, layout: Parall
     model = [DistributedDataParallel(tconfig, ddp_config, chunk) for chunk in chunks]
     tconfig.finalize_model_grads_func = _FinalizeGrads()
     if cfg.model.cuda_graphs:  # after DDP: the graphs' weights carry their main_grad
+        policy = MicroBatchPolicy.from_config(cfg, layout)
+        lengths = {train: policy.graph_lengths(forward_only=not train) for train in (True, False)}
         for chunk in chunks:
-            DecoderGraphs.install(chunk.decoder, slots=cfg.model.cuda_graph_max_rollouts + 1)
+            DecoderGraphs.install(chunk.decoder, slots=cfg.model.cuda_graph_max_rollouts + 1, lengths=lengths)
     return model
 
 

@@ -70,8 +70,8 @@ def test_graphs_were_captured_per_pack_length(graphed, padded_eager):
     (keys,) = graphed[5]
     train = [n for grad, n in keys if grad]
     forward = [n for grad, n in keys if not grad]
-    assert len(train) > 1 and len(forward) >= 1
-    assert all(n % 16 == 0 or n == 64 for n in train) and all(n % 16 == 0 or n == 96 for n in forward)
+    # every length a pack can be padded to (multiples of 16 up to the budget), captured at the first use
+    assert train == [16, 32, 48, 64] and forward == [16, 32, 48, 64, 80, 96]
     assert padded_eager[5] == [[]]
 
 
@@ -132,3 +132,11 @@ def test_a_pack_with_more_rollouts_than_slots_runs_eagerly_and_says_so(caplog):
         result = _run(["model.cuda_graphs=true", "model.cuda_graph_max_rollouts=1"], calls=1)
     assert result[5] == [[]]
     assert "runs eagerly" in caplog.text
+
+
+def test_graph_lengths_are_the_multiples_up_to_the_budget_and_the_budget():
+    config = load_config(BASE + ["model.cuda_graphs=true", "forward_max_token_len_per_gpu=100"])
+    from megacritic.parallel import ParallelLayout
+    policy = MicroBatchPolicy.from_config(config, ParallelLayout.from_config(config.megatron, 1))
+    assert policy.graph_lengths(forward_only=True) == [16, 32, 48, 64, 80, 96, 100]
+    assert [policy.graph_length(n, True) for n in (1, 16, 17, 97, 100)] == [16, 16, 32, 100, 100]

@@ -20,7 +20,6 @@ from megacritic.bench.workloads import (
     HEADLINE,
     PACKED,
     SHAPE_CALLS,
-    SHAPE_SWITCHES,
     SHAPE_SYSTEMS,
     SHAPES,
     SYSTEMS,
@@ -111,7 +110,7 @@ def measure(shape_name: str, system: str, token_budget: int, args) -> dict:
         return {"error": "out of memory"}
     result["probe"] = probe_host()
     result["token_budget"] = budget
-    result["switches"] = [] if system == "hf-sdpa-padded" else SHAPE_SWITCHES.get(shape_name, []) + args.set
+    result["switches"] = [] if system == "hf-sdpa-padded" else system_switches(shape_name, system, args.set)
     return result
 
 

@@ -55,6 +55,11 @@ CPU_TOKEN_BUDGET = 512
 SHAPE_SWITCHES = {"qwen2.5-7b": ["optim.exp_avg_dtype=bfloat16", "optim.exp_avg_sq_dtype=bfloat16",
                                  "megatron.recompute_granularity=selective", "megatron.recompute_modules=[mlp]"]}
 SHAPE_SYSTEMS = {"qwen2.5-7b": ("megacritic-packed",)}
+# megacritic-packed's own switches at a shape: at 0.5B the eager step is bound by the host (~1 s of host time
+# for ~0.46 s of GPU time per update), and the decoder replayed as CUDA graphs over packs padded to a multiple
+# of 1,024 tokens measured 0.53 s against 0.92-1.01 s per update (bench/NOTES.md); at 1.5B it measured the same
+# as eager (the step is bound by the GPU there), and at 3B its graph memory does not fit beside the state.
+PACKED_SWITCHES = {"qwen2.5-0.5b": ["model.cuda_graphs=true"]}
 # Untimed warm-up pairs and timed calls of a shape whose calls take tens of seconds (none since 7B's optimizer
 # runs on the GPU: every shape has the default 3 and 3).
 SHAPE_CALLS: dict[str, tuple[int, int]] = {}
@@ -108,5 +113,7 @@ def megacritic_overrides(shape: dict, batch: TensorDict, packed: bool, token_bud
 
 def system_switches(shape_name: str, system: str, extra: list[str]) -> list[str]:
     """Config overrides of ``system`` at ``shape_name`` beyond megacritic_overrides: the shape's switches,
-    the run's --set, and the offload switches of megacritic-offload."""
-    return SHAPE_SWITCHES.get(shape_name, []) + list(extra) + (OFFLOAD if system == "megacritic-offload" else [])
+    megacritic-packed's switches at the shape, the run's --set, and the offload switches of megacritic-offload."""
+    own = PACKED_SWITCHES.get(shape_name, []) if system == "megacritic-packed" else []
+    return (SHAPE_SWITCHES.get(shape_name, []) + own + list(extra)
+            + (OFFLOAD if system == "megacritic-offload" else []))

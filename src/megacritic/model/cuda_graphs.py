@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -197,8 +198,9 @@ class DecoderGraphs:
     rotary cos / sin attached: :class:`~megacritic.model.value_model.ValueModel`) replay the graphs captured
     for their length and mode (training with autograd, or forward only); anything else runs eagerly."""
 
-    def __init__(self, decoder: torch.nn.Module, slots: int):
+    def __init__(self, decoder: torch.nn.Module, slots: int, lengths: dict[bool, list[int]] | None = None):
         self.decoder, self.slots = decoder, slots
+        self.lengths = lengths or {}  # per mode (training?), the pack lengths captured together at its first use
         self.eager = type(decoder).forward.__get__(decoder)
         self.cuda = next(decoder.parameters()).is_cuda
         self.graphs: dict[tuple[bool, int], object] = {}
@@ -210,9 +212,12 @@ class DecoderGraphs:
             self.stream, self.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
 
     @classmethod
-    def install(cls, decoder: torch.nn.Module, slots: int) -> "DecoderGraphs":
-        """Route ``decoder``'s calls through a new DecoderGraphs (its parameters and state dict unchanged)."""
-        graphs = cls(decoder, slots)
+    def install(cls, decoder: torch.nn.Module, slots: int,
+                lengths: dict[bool, list[int]] | None = None) -> "DecoderGraphs":
+        """Route ``decoder``'s calls through a new DecoderGraphs (its parameters and state dict unchanged).
+        ``lengths``: per mode (True: training), every pack length the micro-batching can make, all captured
+        at the mode's first use (other lengths are captured at their own first use)."""
+        graphs = cls(decoder, slots, lengths)
         decoder.forward = graphs
         return graphs
 
@@ -222,13 +227,28 @@ class DecoderGraphs:
             return self.eager(hidden_states=hidden_states, attention_mask=attention_mask,
                               packed_seq_params=packed_seq_params, **kwargs)
         key = (train, hidden_states.shape[0])
-        graphs = self.graphs.get(key)
-        if graphs is None:
-            log.info("model.cuda_graphs: capturing the decoder's %s at %d tokens",
-                     "forward and backward" if train else "forward", key[1])
-            kind = _TrainGraphs if train else _ForwardGraph
-            graphs = self.graphs[key] = kind(self, hidden_states, packed_seq_params, kwargs)
-        return graphs(hidden_states, packed_seq_params)
+        if key not in self.graphs:
+            first = not any(mode == train for mode, _ in self.graphs)
+            lengths = sorted(set(self.lengths.get(train, [])) | {key[1]}) if first else [key[1]]
+            what = "forward and backward" if train else "forward"
+            log.info("model.cuda_graphs: capturing the decoder's %s at %d pack length(s) up to %d tokens", what,
+                     len(lengths), lengths[-1])
+            start = time.perf_counter()
+            for n in lengths:
+                hidden, pack = (hidden_states, packed_seq_params) if n == key[1] else self._example(hidden_states, n)
+                self.graphs[(train, n)] = (_TrainGraphs if train else _ForwardGraph)(self, hidden, pack, kwargs)
+            log.info("model.cuda_graphs: captured in %.1f s", time.perf_counter() - start)
+        return self.graphs[key](hidden_states, packed_seq_params)
+
+    def _example(self, like: Tensor, tokens: int) -> tuple[Tensor, Pack]:
+        """Inputs of ``tokens`` tokens to capture with (a replay overwrites them): one sequence, no rotation."""
+        hidden = like.new_zeros(tokens, *like.shape[1:]).requires_grad_(like.requires_grad)
+        cu = torch.full((self.slots + 1,), tokens, dtype=torch.int32, device=like.device)
+        cu[0] = 0
+        d = self.decoder.config.kv_channels
+        cos = torch.ones(tokens, 1, d, dtype=like.dtype, device=like.device)
+        return hidden, Pack(qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=tokens,
+                            max_seqlen_kv=tokens, rotary=(cos, torch.zeros_like(cos)))
 
     def _fits(self, hidden, attention_mask, pack, kwargs, train: bool) -> bool:
         fits = (type(pack) is Pack and pack.rotary is not None and not isinstance(pack, ContextParallelPack)

@@ -258,6 +258,12 @@ class MicroBatchPolicy:
                                   weights=weights, device=device, cp_size=self.cp, cp_rank=cp_rank,
                                   sequence_slots=self.graph_slots) for p, shape in zip(parts, pad_to)]
 
+    def graph_lengths(self, forward_only: bool) -> list[int]:
+        """model.cuda_graphs: every length a pack can be padded to."""
+        budget = (self.forward if forward_only else self.train).max_tokens
+        return sorted({self.graph_length(n, forward_only) for n in range(self.graph_multiple, budget + 1,
+                                                                          self.graph_multiple)} | {budget})
+
     def graph_length(self, tokens: int, forward_only: bool) -> int:
         """model.cuda_graphs: the length a pack of ``tokens`` real tokens is padded to (validation: packed, by
         token budget, no pipeline, no context or sequence parallelism)."""
