@@ -112,7 +112,8 @@ def print_host_profile(call) -> None:
                 by_lib[lib] += tottime
                 break
         else:
-            by_lib["other: " + (filename if filename.startswith("<") else ("/" + filename).rsplit("/", 2)[-2])] += tottime
+            folder = filename if filename.startswith("<") else ("/" + filename).rsplit("/", 2)[-2]
+            by_lib["other: " + folder] += tottime
     total = sum(by_lib.values())
     print(f"own time by library (total {total:.3f} s):")
     for lib, seconds in by_lib.most_common(20):

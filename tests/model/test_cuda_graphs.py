@@ -119,6 +119,7 @@ def test_fixed_packs_fill_the_budget_and_the_slots():
     (["megatron.pipeline_model_parallel_size=2"], "pipeline_model_parallel_size=1"),
     (["megatron.recompute_granularity=selective"], "recompute"),
     (["megatron.param_offload=true"], "param_offload"),
+    (["megatron.grad_offload=true"], "grad_offload"),
     (["model.cuda_graph_max_rollouts=0"], "cuda_graph_max_rollouts"),
     (["model.cuda_graph_pack_multiple=0"], "cuda_graph_pack_multiple"),
 ])

@@ -153,7 +153,7 @@ class ModelConfig:
     Pays where the host cannot queue kernels as fast as the GPU runs them (bench/NOTES.md); the padding is
     computed but not counted. Needs packed micro-batches with a token budget (use_remove_padding,
     use_dynamic_bsz), one pipeline stage, tensor and context parallel size 1, a dense model, no activation
-    recompute and no parameter offload. A pack of more than ``cuda_graph_max_rollouts`` rollouts runs
+    recompute and no parameter or gradient offload. A pack of more than ``cuda_graph_max_rollouts`` rollouts runs
     eagerly. Graph memory: the activations of the longest pack, kept for the process. On the CPU (tests) the
     captured calls are re-run instead of replayed."""
     cuda_graph_max_rollouts: int = 64
@@ -568,8 +568,9 @@ def _check_cuda_graphs(config: CriticConfig) -> None:
         why = "needs a dense model (mixture-of-experts layers route a varying number of tokens to each expert)"
     elif mg.recompute_granularity is not None:
         why = "cannot be combined with activation recompute (megatron.recompute_granularity)"
-    elif mg.param_offload:
-        why = "cannot be combined with megatron.param_offload (the graphs read the parameters where they are)"
+    elif mg.param_offload or mg.grad_offload:
+        why = ("cannot be combined with megatron.param_offload or megatron.grad_offload (the graphs read the "
+               "parameters and write the gradient buffers at the device addresses they had at capture)")
     if why:
         fail("model.cuda_graphs", True, why)
 
