@@ -147,9 +147,14 @@ def _critic_run(extra, steps=1):
         batch = SyntheticRollouts(worker.config).batch(0)
         batch["values"] = values = worker.compute_values(batch)
         metrics = [worker.update_critic(batch) for _ in range(steps)]
-        return values, metrics, worker.compute_values(batch), attention_impl_of(worker.state.model)
+        after = worker.compute_values(batch)
+        _REPLAYS["last"] = sum(getattr(chunk.module.decoder.forward, "replays", 0) for chunk in worker.state.model)
+        return values, metrics, after, attention_impl_of(worker.state.model)
     finally:
         worker.close()
+
+
+_REPLAYS = {"last": 0}  # decoder calls the last _critic_run replayed as CUDA graphs (model.cuda_graphs)
 
 
 @needs_fa4
@@ -579,6 +584,7 @@ def test_cuda_graphs_replay_what_the_same_packs_compute_eagerly(impl):
         replayed = _critic_run(graphs, steps=2)
     finally:
         torch.use_deterministic_algorithms(False)
+    assert _REPLAYS["last"] > 0  # the graphed run did replay (and the eager one compared against it did not)
     (v1, m1, a1, _), (v2, m2, a2, _) = eager, replayed
     assert torch.equal(v1, v2) and torch.equal(a1, a2)
     for step1, step2 in zip(m1, m2):

@@ -38,7 +38,8 @@ def _run(extra, calls=2):
         weights = [p.detach().clone() for p in params]
         graphs = [chunk.module.decoder.forward for chunk in worker.state.model]
         captured = [sorted(g.graphs) for g in graphs if isinstance(g, DecoderGraphs)]
-        return batch["values"], values, metrics, grads, weights, captured
+        replays = sum(g.replays for g in graphs if isinstance(g, DecoderGraphs))
+        return batch["values"], values, metrics, grads, weights, captured, replays
     finally:
         worker.close()
 
@@ -73,6 +74,7 @@ def test_graphs_were_captured_per_pack_length(graphed, padded_eager):
     # every length a pack can be padded to (multiples of 16 up to the budget), captured at the first use
     assert train == [16, 32, 48, 64] and forward == [16, 32, 48, 64, 80, 96]
     assert padded_eager[5] == [[]]
+    assert graphed[6] > 0 and padded_eager[6] == 0
 
 
 def test_graphed_equals_the_same_padded_packs_run_eagerly(graphed, padded_eager):
@@ -128,11 +130,40 @@ def test_settings_it_cannot_run_with_are_refused(extra, message):
         load_config(BASE + ["model.cuda_graphs=true"] + extra)
 
 
-def test_a_pack_with_more_rollouts_than_slots_runs_eagerly_and_says_so(caplog):
+def test_a_pack_with_more_rollouts_than_slots_runs_eagerly_unpadded_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="megacritic.model.cuda_graphs"):
         result = _run(["model.cuda_graphs=true", "model.cuda_graph_max_rollouts=1"], calls=1)
-    assert result[5] == [[]]
-    assert "runs eagerly" in caplog.text
+    assert "more than model.cuda_graph_max_rollouts=1" in caplog.text
+    config = load_config(BASE + ["model.cuda_graphs=true", "model.cuda_graph_max_rollouts=1"])
+    from megacritic.data.rollouts import rollouts_from_batch
+    from megacritic.parallel import ParallelLayout
+    policy = MicroBatchPolicy.from_config(config, ParallelLayout.from_config(config.megatron, 1))
+    rollouts = rollouts_from_batch(SyntheticRollouts(config).batch(0), need_targets=False)
+    parts = policy.plan(rollouts.seq_lens, False, lambda n: n)
+    for mb, part in zip(policy.build(rollouts, parts, weights=None, device=None, cp_rank=0), parts):
+        if len(part) > 1:  # not padded: its own length and boundaries
+            assert mb.input_ids.shape[1] == int(rollouts.seq_lens[part].sum())
+            assert mb.packed.cu_seqlens_q.numel() == len(part) + 1
+
+
+def test_graphs_are_captured_again_when_the_parameters_move(caplog):
+    worker = CriticWorker(load_config(BASE + ["model.cuda_graphs=true"]))
+    worker.init_model()
+    try:
+        batch = SyntheticRollouts(worker.config).batch(0)
+        before = worker.compute_values(batch)
+        graphs = worker.state.model[0].module.decoder.forward
+        captured = dict(graphs.graphs)
+        layer = worker.state.model[0].module.decoder.layers[0]
+        weight = layer.mlp.linear_fc1.weight
+        weight.data = weight.data.clone()  # what an offload and onload do to the storage's address
+        with caplog.at_level(logging.INFO, logger="megacritic.model.cuda_graphs"):
+            after = worker.compute_values(batch)
+        assert "moved; capturing again" in caplog.text
+        assert all(graphs.graphs[key] is not captured[key] for key in captured if key in graphs.graphs)
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+    finally:
+        worker.close()
 
 
 def test_graph_lengths_are_the_multiples_up_to_the_budget_and_the_budget():
@@ -141,3 +172,25 @@ def test_graph_lengths_are_the_multiples_up_to_the_budget_and_the_budget():
     policy = MicroBatchPolicy.from_config(config, ParallelLayout.from_config(config.megatron, 1))
     assert policy.graph_lengths(forward_only=True) == [16, 32, 48, 64, 80, 96, 100]
     assert [policy.graph_length(n, True) for n in (1, 16, 17, 97, 100)] == [16, 16, 32, 100, 100]
+
+
+def test_a_replay_between_a_packs_forward_and_backward_is_an_error():
+    """The graphs share one memory pool: a second pack's forward may overwrite the first's activations."""
+    from megacritic.data.rollouts import rollouts_from_batch
+
+    worker = CriticWorker(load_config(BASE + ["model.cuda_graphs=true"]))
+    worker.init_model()
+    try:
+        rollouts = rollouts_from_batch(SyntheticRollouts(worker.config).batch(0), need_targets=False)
+        policy = MicroBatchPolicy.from_config(worker.config, worker.layout)
+        parts = policy.plan(rollouts.seq_lens, False, lambda n: n)
+        first, second = policy.build(rollouts, parts[:2], weights=None, device=None, cp_rank=0)
+        model = worker.state.model[0]
+        model.train()
+        outs = [model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                      packed_seq_params=mb.packed) for mb in (first, second)]
+        assert model.module.decoder.forward.replays == 2
+        with pytest.raises(RuntimeError, match="between a pack's forward and its backward"):
+            outs[0].sum().backward()
+    finally:
+        worker.close()

@@ -218,7 +218,8 @@ def rollouts_from_batch(data, need_targets: bool, vocab_size: int | None = None)
     # Rotary positions restart at 0 on each rollout's first real token (verl's left-padded layout). The real
     # tokens of row i are one span (checked above) starting at column p - prompt_lens[i].
     first = (p - prompt_lens)[:, None]
-    bad = (position_ids != torch.arange(t)[None, :] - first).logical_and_(real).any(1)
+    counted = torch.arange(t, device=real.device)[None, :] - first
+    bad = (position_ids.to(torch.int64) != counted).logical_and_(real).any(1)
     if bad.any():
         raise BatchError(f"position_ids must count real tokens from 0 (cumsum(attention_mask) - 1); rows {_rows(bad)}")
     if vocab_size is not None:
@@ -250,7 +251,8 @@ def rollouts_from_batch(data, need_targets: bool, vocab_size: int | None = None)
             # a row holds a NaN / inf on a response token iff its sum does (in float64 no float32 sum overflows)
             bad = ~torch.isfinite(x.sum(1, dtype=torch.float64))
             if bad.any():
-                raise BatchError(f"{key} has NaN/inf on response tokens in rows {_rows(bad)}")
+                raise BatchError(f"{key} has NaN/inf (or a value beyond float32's range) on response tokens in "
+                                 f"rows {_rows(bad)}")
     return Rollouts(input_ids=input_ids.to(torch.int64), prompt_lens=prompt_lens, response_lens=response_lens,
                     response_mask=response_mask, values=values, returns=returns)
 

@@ -36,7 +36,9 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch import Tensor
 
-from megacritic.packing.pack import ContextParallelPack, Pack
+from megacritic.config import ConfigError
+from megacritic.model.layers import CoreAttention
+from megacritic.packing.pack import Pack
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +104,12 @@ class _Static:
         self.sin.copy_(pack.rotary[1])
 
     @classmethod
-    def like(cls, hidden: Tensor, pack: Pack, requires_grad: bool) -> "_Static":
-        static = cls(hidden=torch.empty_like(hidden).requires_grad_(requires_grad),
-                     cu_seqlens=torch.empty_like(pack.cu_seqlens_q), cos=torch.empty_like(pack.rotary[0]),
-                     sin=torch.empty_like(pack.rotary[1]), tokens=hidden.shape[0])
+    def like(cls, hidden: Tensor, pack: Pack, buffers: dict[str, Tensor], requires_grad: bool) -> "_Static":
+        """Static inputs shaped as ``hidden`` and ``pack``, over the start of the mode's shared ``buffers``."""
+        n = hidden.shape[0]
+        static = cls(hidden=buffers["hidden"][:n].detach().requires_grad_(requires_grad),
+                     cu_seqlens=torch.empty_like(pack.cu_seqlens_q), cos=buffers["cos"][:n], sin=buffers["sin"][:n],
+                     tokens=n)
         static.fill(hidden, pack)
         return static
 
@@ -115,8 +119,9 @@ class _TrainGraphs:
 
     def __init__(self, owner: "DecoderGraphs", hidden: Tensor, pack: Pack, kwargs: dict):
         self.owner = owner
-        self.static = _Static.like(hidden, pack, requires_grad=True)
-        self.grad_out = torch.empty_like(hidden)
+        buffers = owner.buffers(True, hidden, pack)
+        self.static = _Static.like(hidden, pack, buffers, requires_grad=True)
+        self.grad_out = buffers["grad_out"][: hidden.shape[0]]
         params = [p for p in owner.decoder.parameters() if p.requires_grad]
         fused = owner.fused_weights()
         # The parameters whose gradients leave the graph (the fused weights' stay inside it, in main_grad).
@@ -158,13 +163,18 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, graphs: _TrainGraphs, hidden: Tensor, *params: Tensor) -> Tensor:
-        ctx.graphs = graphs
+        ctx.graphs, ctx.replay = graphs, graphs.owner.replays
         graphs.fwd.replay()
-        return graphs.static_out.detach()
+        # a copy: what autograd saves of the output (the value head's input) must outlive the next replay
+        return graphs.static_out.detach().clone()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         graphs = ctx.graphs
+        if graphs.owner.replays != ctx.replay:
+            # the graphs share one memory pool: another replay may have overwritten this forward's activations
+            raise RuntimeError("model.cuda_graphs: another graph replayed between a pack's forward and its "
+                               "backward; the graphs take one micro-batch in flight at a time")
         graphs.grad_out.copy_(grad)
         graphs.bwd.replay()
         return (None, *graphs.grads)
@@ -174,7 +184,7 @@ class _ForwardGraph:
     """The decoder's forward at one shape, without autograd (compute_values)."""
 
     def __init__(self, owner: "DecoderGraphs", hidden: Tensor, pack: Pack, kwargs: dict):
-        self.static = _Static.like(hidden, pack, requires_grad=False)
+        self.static = _Static.like(hidden, pack, owner.buffers(False, hidden, pack), requires_grad=False)
         self.graph = owner.new_graph(grad=False)
         static_pack = self.static.pack()
 
@@ -182,10 +192,11 @@ class _ForwardGraph:
             return owner.eager(hidden_states=self.static.hidden, attention_mask=None,
                                packed_seq_params=static_pack, **kwargs)
 
-        with owner.on_side_stream():
+        with torch.no_grad(), owner.on_side_stream():
             for _ in range(WARMUP_ITERATIONS):
                 forward()
-        self.out = self.graph.capture(forward)
+        with torch.no_grad():
+            self.out = self.graph.capture(forward)
 
     def __call__(self, hidden: Tensor, pack: Pack) -> Tensor:
         self.static.fill(hidden, pack)
@@ -204,11 +215,15 @@ class DecoderGraphs:
         self.eager = type(decoder).forward.__get__(decoder)
         self.cuda = next(decoder.parameters()).is_cuda
         self.graphs: dict[tuple[bool, int], object] = {}
-        self._eager_reported = False
+        self._buffers: dict[bool, dict[str, Tensor]] = {}
+        self._addresses_at_capture: tuple = ()
+        self.replays = 0  # decoder calls that replayed graphs
+        self._reported: set[str] = set()  # what was logged once
         if self.cuda:
+            self._check_capturable()
             # One pool for every graph: they never run at the same time (a pack's forward and backward run
-            # before the next pack's, PP=1), and what lives from one replay to the next (static inputs,
-            # outputs and gradients) stays referenced, so a later capture cannot take its memory.
+            # before the next pack's, PP=1), and what lives from one replay to the next (static outputs and
+            # gradients) stays referenced, so a later capture cannot take its memory.
             self.stream, self.pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
 
     @classmethod
@@ -227,6 +242,10 @@ class DecoderGraphs:
             return self.eager(hidden_states=hidden_states, attention_mask=attention_mask,
                               packed_seq_params=packed_seq_params, **kwargs)
         key = (train, hidden_states.shape[0])
+        if self.graphs and self._addresses() != self._addresses_at_capture:
+            # offloaded and brought back (CriticWorker.offload, verl's engine.to): new device addresses
+            log.info("model.cuda_graphs: the decoder's parameters or gradient buffers moved; capturing again")
+            self.reset()
         if key not in self.graphs:
             first = not any(mode == train for mode, _ in self.graphs)
             lengths = sorted(set(self.lengths.get(train, [])) | {key[1]}) if first else [key[1]]
@@ -238,7 +257,48 @@ class DecoderGraphs:
                 hidden, pack = (hidden_states, packed_seq_params) if n == key[1] else self._example(hidden_states, n)
                 self.graphs[(train, n)] = (_TrainGraphs if train else _ForwardGraph)(self, hidden, pack, kwargs)
             log.info("model.cuda_graphs: captured in %.1f s", time.perf_counter() - start)
+            self._addresses_at_capture = self._addresses()
+        self.replays += 1
         return self.graphs[key](hidden_states, packed_seq_params)
+
+    def reset(self) -> None:
+        """Drop every graph (and their memory): the next calls capture again."""
+        self.graphs.clear()
+        self._buffers.clear()
+        if self.cuda:
+            self.pool = torch.cuda.graph_pool_handle()
+
+    def _addresses(self) -> tuple:
+        """Where the decoder's parameters and gradient buffers are: what the graphs read and write."""
+        return tuple((p.data_ptr(), p.main_grad.data_ptr() if hasattr(p, "main_grad") else 0)
+                     for p in self.decoder.parameters())
+
+    def _check_capturable(self) -> None:
+        """What a capture cannot take, refused when the model is built."""
+        linears = [m for m in self.decoder.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        if not all(m.gradient_accumulation_fusion for m in linears):
+            raise ConfigError("model.cuda_graphs=true needs the weight gradients accumulated inside the GEMM "
+                              "(each captured length would otherwise keep its own copy of every gradient): set "
+                              "model.use_fused_kernels=true (with torch >= 2.9 or apex)")
+        impls = {m.impl for m in self.decoder.modules() if isinstance(m, CoreAttention)}
+        if "sdpa" in impls:
+            raise ConfigError("model.cuda_graphs=true needs FlashAttention on the GPU (model.attention_impl fa4 or "
+                              "fa2, bf16 / fp16 parameters); the per-rollout SDPA loop reads the pack's boundaries "
+                              "on the host, which a capture cannot")
+
+    def buffers(self, train: bool, hidden: Tensor, pack: Pack) -> dict[str, Tensor]:
+        """The static inputs of a mode, at its longest pack: each length's graphs read the start of them (the
+        graphs never run at the same time)."""
+        n = hidden.shape[0]
+        kept = self._buffers.get(train)
+        if kept is None or kept["hidden"].shape[0] < n:
+            longest = max([n, *self.lengths.get(train, [])])
+            cos = pack.rotary[0]
+            kept = self._buffers[train] = {
+                "hidden": hidden.new_empty(longest, *hidden.shape[1:]),
+                "grad_out": hidden.new_empty(longest, *hidden.shape[1:]),
+                "cos": cos.new_empty(longest, *cos.shape[1:]), "sin": cos.new_empty(longest, *cos.shape[1:])}
+        return kept
 
     def _example(self, like: Tensor, tokens: int) -> tuple[Tensor, Pack]:
         """Inputs of ``tokens`` tokens to capture with (a replay overwrites them): one sequence, no rotation."""
@@ -251,15 +311,23 @@ class DecoderGraphs:
                             max_seqlen_kv=tokens, rotary=(cos, torch.zeros_like(cos)))
 
     def _fits(self, hidden, attention_mask, pack, kwargs, train: bool) -> bool:
-        fits = (type(pack) is Pack and pack.rotary is not None and not isinstance(pack, ContextParallelPack)
+        """Whether this call is one the graphs replay: a pack of the fixed shape, training with autograd or a
+        forward without it (a forward in eval mode that records autograd runs eagerly)."""
+        fits = (type(pack) is Pack and pack.rotary is not None
                 and attention_mask is None and all(v is None for v in kwargs.values())
                 and isinstance(hidden, Tensor) and hidden.dim() == 3 and hidden.shape[1] == 1
                 and pack.cu_seqlens_q is pack.cu_seqlens_kv and pack.cu_seqlens_q.numel() == self.slots + 1
-                and (hidden.requires_grad or not train))
-        if not fits and not self._eager_reported and isinstance(pack, Pack):
-            self._eager_reported = True
-            log.info("model.cuda_graphs: a micro-batch of another shape (e.g. more than %d rollouts in a pack) "
-                     "runs eagerly", self.slots - 1)
+                and (train not in self.lengths or hidden.shape[0] in self.lengths[train])
+                and (hidden.requires_grad if train else not torch.is_grad_enabled()))
+        if not fits and type(pack) is Pack:
+            rollouts = pack.cu_seqlens_q.numel() - 1  # an unpadded pack: its rollouts
+            if rollouts >= self.slots and "slots" not in self._reported:
+                self._reported.add("slots")
+                log.warning("model.cuda_graphs: a pack of %d rollouts (more than model.cuda_graph_max_rollouts=%d) "
+                            "runs eagerly; raise the setting if this is common", rollouts, self.slots - 1)
+            elif rollouts < self.slots and "other" not in self._reported:
+                self._reported.add("other")
+                log.info("model.cuda_graphs: a decoder call the graphs do not take runs eagerly")
         return fits
 
     # ------------------------------------------------------------ what a capture needs

@@ -253,7 +253,9 @@ class MicroBatchPolicy:
         """The micro-batches of ``parts`` of ``rollouts``, on ``device``."""
         pad_to = [self.pad_to(rollouts.seq_lens, parts)] * len(parts)
         if self.graph_slots is not None:
-            pad_to = [(1, self.graph_length(int(rollouts.seq_lens[p].sum()), forward_only)) for p in parts]
+            # a pack with more rollouts than the graphs' slots runs eagerly, at its own length
+            pad_to = [(1, self.graph_length(int(rollouts.seq_lens[p].sum()), forward_only))
+                      if len(p) < self.graph_slots else None for p in parts]
         return [build_micro_batch(rollouts, p, packed=self.packed, seq_multiple=self.seq_multiple, pad_to=shape,
                                   weights=weights, device=device, cp_size=self.cp, cp_rank=cp_rank,
                                   sequence_slots=self.graph_slots) for p, shape in zip(parts, pad_to)]
