@@ -78,8 +78,7 @@ class MegatronPPOCritic:
             rollouts = self._receive(data, need_targets=False)
         with self.doing("compute_values: forward (Megatron schedule)"):
             shards = dp_shards(rollouts.seq_lens, self.layout.dp)
-            # (at DP = 1 the rank's shard is the whole batch in order: no copy)
-            local = self.local_values(rollouts if self.layout.dp == 1 else rollouts.select(shards[self.ranks.dp_rank]))
+            local = self.local_values(self._share(rollouts, shards[self.ranks.dp_rank]))
         with self.doing("compute_values: gathering values over data-parallel and pipeline ranks"):
             values = torch.empty((len(rollouts), rollouts.response_width), dtype=torch.float32,
                                  device=self.ranks.device)
@@ -162,10 +161,15 @@ class MegatronPPOCritic:
             return None
         cfg = self.config
         weights = token_weights(mini.response_mask, cfg.loss_agg_mode, horizon=cfg.loss_scale_factor)
-        if self.layout.dp == 1:
-            return mini, weights, int(mini.seq_lens.sum())
         local = dp_shards(mini.seq_lens, self.layout.dp, unit=self._dp_unit)[self.ranks.dp_rank]
-        return mini.select(local), weights[local], int(mini.seq_lens.sum())
+        return self._share(mini, local), self._share(weights, local), int(mini.seq_lens.sum())
+
+    def _share(self, x, rows: torch.Tensor):
+        """This data-parallel rank's ``rows`` of ``x`` (Rollouts or a tensor); at DP = 1 they are all of them, in
+        order, and ``x`` is used as it is (no copy)."""
+        if self.layout.dp == 1:
+            return x
+        return x.select(rows) if isinstance(x, Rollouts) else x[rows]
 
     def _empty_step(self, index: int) -> dict[str, float]:
         """A mini-batch without a single response token has no loss to minimise: no step is taken (an Adam
