@@ -81,9 +81,17 @@ class FakeForwardBackward:
 
     def __init__(self, policy, chunk, nan_loss=False, inf_grad=False, fail=False):
         self.policy, self.timers, self.calls, self.chunk = policy, StepTimers(None, 0), [], chunk
+        self.prepared = []  # what the critic prepared (ForwardBackward.prepare) ahead of its runs
+        self.ran_prepared = []
         self.nan_loss, self.inf_grad, self.fail = nan_loss, inf_grad, fail
 
-    def run(self, local, weights=None, mini_batch_tokens=0):
+    def prepare(self, local, weights=None, forward_only=None, build_first=False):
+        self.prepared.append(local)
+        return ("prepared", local)
+
+    def run(self, local, weights=None, mini_batch_tokens=0, prepared=None):
+        assert prepared is None or prepared[1] is local  # the step runs what was prepared for it
+        self.ran_prepared.append(prepared is not None)
         if self.fail:
             raise RuntimeError("a peer died")
         parts = [list(range(len(local)))[::-1]]  # in an order of its own: the critic must restore input order
@@ -132,6 +140,23 @@ def test_the_loop_runs_without_a_distributed_world():
     metrics = critic.update_critic(_batch(config))
     assert not dist.is_initialized()
     assert len(metrics["critic/vf_loss"]) == 4  # 2 epochs x 2 mini-batches
+
+
+def test_each_step_runs_what_was_prepared_for_it_while_the_previous_one_ran():
+    critic, config = _critic()
+    order = []
+    fake = critic.forward_backward
+    prepare, run = fake.prepare, fake.run
+    fake.prepare = lambda *a, **k: (order.append("prepare"), prepare(*a, **k))[1]
+    fake.run = lambda *a, **k: (order.append("run"), run(*a, **k))[1]
+    optimizer = critic.state.optimizer
+    step = optimizer.step
+    optimizer.step = lambda: (order.append("step"), step())[1]
+    critic.update_critic(_batch(config))
+    assert fake.ran_prepared == [True] * 4
+    # step k + 1 is prepared after step k's forward-backward was queued, before step k's optimizer step
+    assert order == ["prepare", "run", "prepare", "step", "run", "prepare", "step", "run", "prepare", "step",
+                     "run", "step"]
 
 
 def test_mini_batches_epochs_and_shuffle():

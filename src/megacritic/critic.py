@@ -28,6 +28,7 @@ from megacritic.data.rollouts import (
     mini_batch_indices,
     to_tensordict,
 )
+from megacritic.forward_backward import MicroBatches
 from megacritic.losses import STAT_KEYS, stack_stats, step_metrics, token_weights
 from megacritic.packing.micro_batches import to_device
 from megacritic.packing.partition import reverse_index
@@ -142,7 +143,7 @@ class MegatronPPOCritic:
                     step = self._empty_step(index)
                     prepare(index + 1)
                 else:
-                    # the next step's rollouts are selected while the GPU finishes this one's backward
+                    # the next step's rollouts and first micro-batch are prepared while the GPU finishes this one
                     step = self.train_step(*inputs[index], meanwhile=partial(prepare, index + 1))
                 inputs[index] = None
                 # the check and broadcast of the batch, shared out over its steps
@@ -154,15 +155,18 @@ class MegatronPPOCritic:
             self.state.lr_scheduler.step(increment=1)
         return dict(metrics)
 
-    def _step_inputs(self, mini: Rollouts) -> tuple[Rollouts, torch.Tensor, int] | None:
-        """This rank's share of a mini-batch, its loss weights (over the whole mini-batch) and the mini-batch's
-        real tokens: train_step's arguments; None for a mini-batch without a response token."""
+    def _step_inputs(self, mini: Rollouts) -> tuple | None:
+        """train_step's arguments for a mini-batch: this rank's share, its loss weights (over the whole
+        mini-batch), the mini-batch's real tokens, and the share's micro-batches planned with the first one
+        built (collective over data-parallel ranks); None for a mini-batch without a response token."""
         if not mini.response_mask.any():
             return None
         cfg = self.config
+        tokens = int(mini.seq_lens.sum())
         weights = token_weights(mini.response_mask, cfg.loss_agg_mode, horizon=cfg.loss_scale_factor)
         local = dp_shards(mini.seq_lens, self.layout.dp, unit=self._dp_unit)[self.ranks.dp_rank]
-        return self._share(mini, local), self._share(weights, local), int(mini.seq_lens.sum())
+        mini, weights = self._share(mini, local), self._share(weights, local)
+        return mini, weights, tokens, self.forward_backward.prepare(mini, weights, build_first=True)
 
     def _share(self, x, rows: torch.Tensor):
         """This data-parallel rank's ``rows`` of ``x`` (Rollouts or a tensor); at DP = 1 they are all of them, in
@@ -184,15 +188,17 @@ class MegatronPPOCritic:
     # ---------------------------------------------------------------- one optimizer step
 
     def train_step(self, local: Rollouts, weights: torch.Tensor, global_tokens: int,
-                   meanwhile: Callable[[], None] | None = None) -> dict[str, float]:
+                   prepared: MicroBatches | None = None, meanwhile: Callable[[], None] | None = None
+                   ) -> dict[str, float]:
         """One optimizer step on this rank's share ``local`` of a mini-batch of ``global_tokens`` real tokens;
-        ``weights``: the share's loss weights, computed over the whole mini-batch. ``meanwhile``: host work run
-        once the step's GPU work is queued, before the host waits for it."""
+        ``weights``: the share's loss weights, computed over the whole mini-batch; ``prepared``: its
+        micro-batches (:meth:`ForwardBackward.prepare`; planned here when None). ``meanwhile``: host work run
+        once the step's GPU work is queued, before the host waits for it (e.g. preparing the next step)."""
         start = time.perf_counter()
         self.forward_backward.timers.take()  # drop what earlier forward-only calls left on the timers
         self._zero_grad()
         with self.doing("update_critic: forward/backward and gradient reduction (Megatron schedule)"):
-            run = self.forward_backward.run(local, weights, mini_batch_tokens=global_tokens)
+            run = self.forward_backward.run(local, weights, mini_batch_tokens=global_tokens, prepared=prepared)
         with self.doing("update_critic: reducing loss statistics"):
             sums = self._reduce_stats(run.outputs)
         if meanwhile is not None:

@@ -159,14 +159,18 @@ class Pass:
         return values[to_device(reverse_index(self.parts), values.device)]  # micro-batches -> input order
 
 
-class _MicroBatches:
-    """The micro-batches of ``parts``, each built at its first use (``build(parts) -> micro-batches``) and kept
-    for the other model chunks' iterators (virtual pipeline stages walk the same micro-batches)."""
+class MicroBatches:
+    """A rank's micro-batches of one pass (:meth:`ForwardBackward.prepare`): the plan ``parts``, each micro-batch
+    built at its first use (``build(parts) -> micro-batches``) and kept for the other model chunks' iterators
+    (virtual pipeline stages walk the same micro-batches)."""
 
-    def __init__(self, build, parts: list[list[int]]):
-        self.build, self.parts = build, parts
+    def __init__(self, build, parts: list[list[int]], local: Rollouts, forward_only: bool, seconds: float):
+        self.build, self.parts, self.local, self.forward_only = build, parts, local, forward_only
         self.built: list[MicroBatch | None] = [None] * len(parts)
-        self.seconds = 0.0  # spent building
+        self.seconds = seconds  # spent planning and building
+
+    def get(self, i: int) -> MicroBatch:
+        return self[i]
 
     def __getitem__(self, i: int) -> MicroBatch:
         if self.built[i] is None:
@@ -201,7 +205,8 @@ class ForwardBackward:
         self.moe = MoEAuxLoss(model, model_config, layout, groups, ranks.device)
 
     def run(self, local: Rollouts, weights: torch.Tensor | None = None, mini_batch_tokens: int = 0,
-            loss: "ExternalLoss | None" = None, forward_only: bool | None = None) -> Pass:
+            loss: "ExternalLoss | None" = None, forward_only: bool | None = None,
+            prepared: MicroBatches | None = None) -> Pass:
         """Forward only without ``weights``; else forward and backward of the weighted value loss, the
         gradients reduced into the model's buffers (``mini_batch_tokens``: the whole mini-batch's real tokens,
         for the MoE loss's normalisation).
@@ -210,21 +215,19 @@ class ForwardBackward:
         called per micro-batch as ``loss(rows, vpreds)`` with the micro-batch's rows of ``local`` and their
         values [rows, R] (whole: summed over context-parallel ranks, differentiably), it returns the tensor
         to backpropagate and the report that the pass collects; with it, ``forward_only`` says whether to
-        run backward."""
+        run backward. ``prepared``: :meth:`prepare`'s micro-batches of ``local`` (made here when None)."""
         if forward_only is None:
             forward_only = weights is None
-        start = time.perf_counter()
-        parts = self.policy.plan(local.seq_lens, forward_only, partial(max_over_dp, layout=self.layout, groups=self.groups))
-        micro_batches = _MicroBatches(partial(self.policy.build, local, weights=weights, device=self.ranks.device,
-                                              cp_rank=self.ranks.cp_rank, forward_only=forward_only), parts)
+        if prepared is None:
+            prepared = self.prepare(local, weights, forward_only)
+        elif prepared.local is not local or prepared.forward_only != forward_only:
+            raise ValueError("ForwardBackward.run: the prepared micro-batches are of other rollouts or another mode")
+        micro_batches, parts = prepared, prepared.parts
         shape_b = shape_s = 0
-        if self.layout.pp > 1:
-            # Megatron's pipeline shapes, before the schedule: every micro-batch built up front. Without a
-            # pipeline each is built when the schedule asks for it, while the GPU runs the previous one.
+        if self.layout.pp > 1:  # Megatron's pipeline shapes, before the schedule (prepare built them all)
             shape_b = max(mb.input_ids.shape[0] for mb in micro_batches.all())
             # Megatron's fixed pipeline shapes divide the sequence by CP: give it the whole pack's length.
             shape_s = max(mb.input_ids.shape[1] for mb in micro_batches.all()) * self.layout.cp
-        data_seconds = time.perf_counter() - start - micro_batches.seconds
         if not forward_only:
             self.moe.start(mini_batch_tokens)
         # each micro-batch travels with its rows of ``local`` (an external loss reads the caller's data by them)
@@ -239,7 +242,26 @@ class ForwardBackward:
             forward_only=forward_only,
         )
         aux = None if forward_only else self.moe.value(len(parts))
-        return Pass(parts, outputs, data_seconds + micro_batches.seconds, aux)
+        return Pass(parts, outputs, micro_batches.seconds, aux)
+
+    def prepare(self, local: Rollouts, weights: torch.Tensor | None = None, forward_only: bool | None = None,
+                build_first: bool = False) -> MicroBatches:
+        """The plan of ``local``'s micro-batches for :meth:`run` (collective over data-parallel ranks: every rank
+        runs as many), each built when the schedule asks for it (the GPU runs the previous one meanwhile). With
+        a pipeline, all are built now (its shapes need them); ``build_first``: the first one too (so that a
+        caller can prepare the next pass while the GPU finishes this one)."""
+        if forward_only is None:
+            forward_only = weights is None
+        start = time.perf_counter()
+        parts = self.policy.plan(local.seq_lens, forward_only, partial(max_over_dp, layout=self.layout, groups=self.groups))
+        build = partial(self.policy.build, local, weights=weights, device=self.ranks.device, cp_rank=self.ranks.cp_rank,
+                        forward_only=forward_only)
+        micro_batches = MicroBatches(build, parts, local, forward_only, time.perf_counter() - start)
+        if self.layout.pp > 1:
+            micro_batches.all()
+        elif build_first and parts:
+            micro_batches.get(0)
+        return micro_batches
 
     def _forward_step(self, forward_only: bool, loss: "ExternalLoss | None", data_iterator, model):
         mb, rows = next(data_iterator)
