@@ -48,7 +48,7 @@ if __name__ == "__main__":
             attempt, where, count = kill.split(":")
             if attempt == os.environ.get("TORCHELASTIC_RESTART_COUNT"):
                 if where == "step":
-                    die_at(MegatronPPOCritic, "train_step", int(count), before=False)
+                    die_at(MegatronPPOCritic, "_finish_step", int(count), before=False)
                 else:
                     die_at(CriticWorker, "save_checkpoint", int(count), before=True)
     sys.exit(main())

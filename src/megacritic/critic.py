@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -28,8 +29,9 @@ from megacritic.data.rollouts import (
     mini_batch_indices,
     to_tensordict,
 )
-from megacritic.forward_backward import MicroBatches
+from megacritic.forward_backward import MicroBatches, Pass
 from megacritic.losses import STAT_KEYS, stack_stats, step_metrics, token_weights
+from megacritic.optim import step_on_device, steps_on_device
 from megacritic.packing.micro_batches import to_device
 from megacritic.packing.partition import reverse_index
 from megacritic.parallel import ParallelLayout, ProcessGroups, Ranks
@@ -128,6 +130,20 @@ class MegatronPPOCritic:
         receive_time = time.perf_counter() - start
         metrics: dict[str, list[float]] = defaultdict(list)
         cfg = self.config
+
+        last = time.perf_counter()  # when the last step's results were read
+
+        def record(step: dict[str, float], steps_in_batch: int) -> None:
+            # the check and broadcast of the batches, shared out over their steps
+            step["timing_s/data"] += receive_time / (steps_in_batch * len(checked))
+            for k, v in step.items():
+                metrics[k].append(v)
+
+        def finish(step: _Step, steps_in_batch: int) -> None:
+            nonlocal last
+            record(self._finish_step(step, since=last), steps_in_batch)
+            last = time.perf_counter()
+
         for rollouts in checked:
             steps = mini_batch_indices(len(rollouts), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle,
                                        cfg.data_loader_seed, call_index=self.state.update_calls)
@@ -138,18 +154,26 @@ class MegatronPPOCritic:
                     inputs[i] = self._step_inputs(rollouts.select(steps[i]))
 
             prepare(0)
+            # Step k's results are read while the GPU runs step k + 1's forward-backward, queued before the
+            # read; its optimizer step is queued after it (the read says whether the LR schedule moves).
+            pending = None
             for index in range(len(steps)):
                 if inputs[index] is None:  # no response token in the mini-batch
-                    step = self._empty_step(index)
+                    if pending is not None:
+                        finish(pending, len(steps))
+                        pending = None
+                    record(self._empty_step(index), len(steps))
                     prepare(index + 1)
                 else:
-                    # the next step's rollouts and first micro-batch are prepared while the GPU finishes this one
-                    step = self.train_step(*inputs[index], meanwhile=partial(prepare, index + 1))
+                    # the next step's rollouts and first micro-batch are prepared while the GPU runs this one
+                    queued = self._queue_forward_backward(*inputs[index], meanwhile=partial(prepare, index + 1))
+                    if pending is not None:
+                        finish(pending, len(steps))
+                    self._queue_optimizer_step(queued)
+                    pending = queued
                 inputs[index] = None
-                # the check and broadcast of the batch, shared out over its steps
-                step["timing_s/data"] += receive_time / (len(steps) * len(checked))
-                for k, v in step.items():
-                    metrics[k].append(v)
+            if pending is not None:
+                finish(pending, len(steps))
             self.state.update_calls += 1
         if cfg.optim.schedule_unit == "call":
             self.state.lr_scheduler.step(increment=1)
@@ -193,7 +217,16 @@ class MegatronPPOCritic:
         """One optimizer step on this rank's share ``local`` of a mini-batch of ``global_tokens`` real tokens;
         ``weights``: the share's loss weights, computed over the whole mini-batch; ``prepared``: its
         micro-batches (:meth:`ForwardBackward.prepare`; planned here when None). ``meanwhile``: host work run
-        once the step's GPU work is queued, before the host waits for it (e.g. preparing the next step)."""
+        once the step's forward-backward is queued (e.g. preparing the next step). Returns its metrics.
+        (update_critic runs the same three parts, overlapping each step's end with the next one's start.)"""
+        queued = self._queue_forward_backward(local, weights, global_tokens, prepared, meanwhile)
+        self._queue_optimizer_step(queued)
+        return self._finish_step(queued)
+
+    def _queue_forward_backward(self, local: Rollouts, weights: torch.Tensor, global_tokens: int,
+                                prepared: MicroBatches | None = None,
+                                meanwhile: Callable[[], None] | None = None) -> _Step:
+        """A step's first part: gradients zeroed, forward-backward and loss statistics queued on the device."""
         start = time.perf_counter()
         self.forward_backward.timers.take()  # drop what earlier forward-only calls left on the timers
         self._zero_grad()
@@ -201,23 +234,51 @@ class MegatronPPOCritic:
             run = self.forward_backward.run(local, weights, mini_batch_tokens=global_tokens, prepared=prepared)
         with self.doing("update_critic: reducing loss statistics"):
             sums = self._reduce_stats(run.outputs)
+        step = _Step(run, sums, global_tokens, start, self.forward_backward.timers.take())
         if meanwhile is not None:
             meanwhile()
+        return step
+
+    def _queue_optimizer_step(self, step: _Step) -> None:
+        """A step's second part: the gradient check and the optimizer step. On the device where the optimizer
+        allows it (:func:`megacritic.optim.steps_on_device`): a non-finite loss or gradient makes the step
+        keep the weights there, and the results start their way to the host without the host waiting.
+        Otherwise the host reads the check first and decides (:meth:`optimizer_step`)."""
         with self.doing("update_critic: optimizer step"):
-            lr = self._lr()
+            step.lr = self._lr()
             # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
             # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
-            # One host read for the statistics and the check: each read waits for the GPU's queue to drain.
-            host = torch.cat([sums, self.nonfinite_grads().to(sums.dtype).reshape(1)]).cpu()
-            sums = host[:-1]
-            healthy, grad_norm = self.optimizer_step(bool(torch.isfinite(host[STAT_KEYS.index("loss")])),
-                                                     grads_finite=bool(host[-1] == 0))
-            if healthy and self.config.optim.schedule_unit == "step":
-                self.state.lr_scheduler.step(increment=1)
-        return step_metrics(sums, grad_norm=grad_norm, lr=lr, skipped=not healthy, empty=False,
-                            tokens=global_tokens, seconds=time.perf_counter() - start,
-                            data_seconds=run.data_seconds, timers=self.forward_backward.timers.take(),
-                            moe_aux_loss=run.moe_aux_loss)
+            loss_finite = torch.isfinite(step.sums[STAT_KEYS.index("loss")])
+            if steps_on_device(self.state.optimizer):
+                skip = (self.nonfinite_grads() + ~loss_finite).clamp(max=1.0)
+                grad_norm = step_on_device(self.state.optimizer, skip)
+                step.results = _HostCopy(torch.cat([step.sums, skip.to(torch.float64).reshape(1),
+                                                    grad_norm.reshape(1)]))
+            else:
+                # one host read for the statistics and the check: each read waits for the GPU's queue to drain
+                host = torch.cat([step.sums, self.nonfinite_grads().to(step.sums.dtype).reshape(1),
+                                  loss_finite.to(step.sums.dtype).reshape(1)]).cpu()
+                applied, grad_norm = self.optimizer_step(bool(host[-1]), grads_finite=bool(host[-2] == 0))
+                step.results = _HostCopy(torch.cat([host[:-2], torch.tensor([float(not applied), grad_norm],
+                                                                            dtype=host.dtype)]))
+        for key, seconds in self.forward_backward.timers.take().items():  # the optimizer's timers
+            step.timers[key] = step.timers.get(key, 0.0) + seconds
+
+    def _finish_step(self, step: _Step, since: float | None = None) -> dict[str, float]:
+        """A step's last part: its results read on the host (waiting for its own GPU work, not for what was
+        queued after it), the LR schedule advanced if it was applied, its metrics. ``since``: when the step
+        before it finished, if later than this one's start (its time is counted from there, so that steps
+        whose work overlaps add up to the call's time)."""
+        with self.doing("update_critic: reading the step's results"):
+            results = step.results.wait()
+        sums, skipped, grad_norm = results[:-2], bool(results[-2]), float(results[-1])
+        if not skipped and self.config.optim.schedule_unit == "step":
+            self.state.lr_scheduler.step(increment=1)
+        return step_metrics(sums, grad_norm=float("nan") if skipped else grad_norm, lr=step.lr, skipped=skipped,
+                            empty=False, tokens=step.tokens,
+                            seconds=time.perf_counter() - max(step.start, since or step.start),
+                            data_seconds=step.run.data_seconds, timers=step.timers,
+                            moe_aux_loss=step.run.moe_aux_loss)
 
     def optimizer_step(self, loss_finite: bool = True, grads_finite: bool | None = None) -> tuple[bool, float]:
         """Apply the gradients in the model's buffers, unless the loss (``loss_finite``, the same on every
@@ -317,3 +378,35 @@ def _is_batch(data) -> bool:
     except BatchError:
         return False
     return True
+
+
+@dataclass
+class _Step:
+    """An optimizer step on its way: queued on the device, its results read by ``_finish_step``."""
+    run: Pass
+    sums: torch.Tensor  # the loss statistics (STAT_KEYS), on the device
+    tokens: int  # the mini-batch's real tokens
+    start: float  # when its first part began (time.perf_counter)
+    timers: dict[str, float]
+    lr: float = 0.0
+    results: _HostCopy | None = None  # STAT_KEYS sums, skipped (1.0 / 0.0), grad norm
+
+
+class _HostCopy:
+    """A device tensor's copy to the host, started now and read later: reading waits for the GPU work queued
+    before the copy, not for what was queued after it (a pinned buffer and an event on a GPU)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor.clone()
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host

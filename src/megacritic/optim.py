@@ -146,3 +146,58 @@ def _init_state(optimizer, config=None) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             optimizer.init_state(p)
+
+
+def steps_on_device(optimizer) -> bool:
+    """Whether :func:`step_on_device` can take the step of Megatron's ``optimizer``: every part's torch
+    optimizer is torch's fused AdamW (the kernel that skips a step on the device when told to, as GradScaler
+    uses it), with no loss scaler and the gradients in ``.grad`` (not the precision-aware optimizer's)."""
+    parts = [p for p in megatron_optimizers(optimizer) if not getattr(p, "is_stub_optimizer", False)]
+    inners = [getattr(p, "optimizer", None) for p in parts]
+    return bool(parts) and all(
+        type(inner) is torch.optim.AdamW and all(g.get("fused") for g in inner.param_groups)
+        and getattr(part, "grad_scaler", None) is None
+        and not getattr(part.config, "use_precision_aware_optimizer", False)
+        for part, inner in zip(parts, inners))
+
+
+@torch.no_grad()
+def step_on_device(optimizer, skip: torch.Tensor) -> torch.Tensor:
+    """Megatron's ``optimizer.step()`` with no host read: the grad norm, the clipping and the decision to skip
+    stay on the device. ``skip``: a float32 device scalar, 1.0 to keep the weights (the step is queued and
+    does nothing; Adam's step counts are kept), 0.0 to apply the gradients. Returns the grad norm before
+    clipping as a float64 device scalar, to be read with the step's other results.
+
+    Upstream reads the norm on the host (``get_grad_norm_fp32``'s ``.item()``) to decide the clip, so each
+    step waits for the GPU twice (with the caller's check). The arithmetic is upstream's: each part's
+    gradients for the norm (``get_main_grads_for_grad_norm``: no tensor-parallel duplicate, no shared
+    parameter twice), squared norms summed over its ``get_grad_stats_parallel_group``, the square root and
+    ``max_norm / (norm + 1e-6)`` in float64; the gradients are scaled by that coefficient capped at 1 (a
+    scale of exactly 1 where upstream leaves them as they are)."""
+    optimizer.prepare_grads()  # model gradients -> main gradients; no loss scaler here, so no inf check
+    parts = [p for p in megatron_optimizers(optimizer) if not getattr(p, "is_stub_optimizer", False)]
+    squares = []
+    for part in parts:
+        grads = part.get_main_grads_for_grad_norm()
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        else:
+            norm = torch.zeros((), dtype=torch.float32, device=skip.device)
+        square = (norm ** 2).reshape(1)
+        torch.distributed.all_reduce(square, group=part.get_grad_stats_parallel_group())
+        squares.append(square)
+    grad_norm = torch.stack(squares).sum().double().sqrt()
+    for part in parts:
+        grads = [p.grad for p in part.get_parameters() if p.grad is not None]
+        if grads:
+            scale = (part.config.clip_grad / (grad_norm + 1.0e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, scale.to(torch.float32))
+    inners = [part.optimizer for part in parts]
+    for inner in inners:
+        inner.found_inf = skip  # read by the fused kernel (torch.optim.adamw's found_inf)
+    try:
+        optimizer.step_with_ready_grads()
+    finally:
+        for inner in inners:
+            del inner.found_inf
+    return grad_norm

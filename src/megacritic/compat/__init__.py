@@ -26,6 +26,11 @@ Per object, applied where the object exists:
 7. With ``megatron.optimizer_cpu_offload``: ``OptimizerConfig.use_precision_aware_optimizer`` set after the
    config's own checks, which read Transformer Engine's version and fail without it
    (:func:`~megacritic.compat.kernels.precision_aware_without_te`).
+8. The optimizer step of ``update_critic`` with torch's fused AdamW: Megatron's ``step()`` taken apart
+   (``prepare_grads``, ``get_main_grads_for_grad_norm``, ``step_with_ready_grads``) so that the grad norm,
+   the clipping and the skip of a non-finite step stay on the device, where upstream reads the norm on the
+   host (:func:`megacritic.optim.step_on_device`; the same weights to the bit in
+   ``tests/test_critic.py::test_steps_decided_on_the_device_equal_steps_decided_on_the_host``).
 
 ``tests/compat/test_compat.py`` lists every attribute :func:`apply` changes; a change to the list shows there.
 """
