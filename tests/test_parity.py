@@ -31,6 +31,11 @@ LAYOUTS = {
     "cp2_dp2": (4, [CP2], ("dynamic",)),
     "pp2_vpp2_cp2": (4, [CP2, "megatron.pipeline_model_parallel_size=2",
                          "megatron.virtual_pipeline_model_parallel_size=2"], ("dynamic",)),
+    # optimizer steps taken on the device (fused AdamW): the grad norm over the distributed optimizer's
+    # shards, and without counting tensor-parallel duplicates twice, across pipeline stages
+    "dp2_fused_adamw": (2, ["--fused-adamw"], ("dynamic",)),
+    "tp2_pp2_fused_adamw": (4, ["--fused-adamw", "megatron.tensor_model_parallel_size=2",
+                                "megatron.pipeline_model_parallel_size=2"], ("dynamic",)),
 }
 CASES = [pytest.param(layout, mode, id=f"{mode}-{layout}")
          for layout, (_, _, *modes) in LAYOUTS.items() for mode in (modes[0] if modes else MODES)]

@@ -1,10 +1,11 @@
 """One parity run: the same weights and global batches under one layout; writes results as JSON.
 
-    torchrun --nproc_per_node N tests/multiproc/parity_run.py OUT.json [--modes=A,B] [dotted.key=value ...]
+    torchrun --nproc_per_node N tests/multiproc/parity_run.py OUT.json [--modes=A,B] [--fused-adamw] [dotted.key=value ...]
 
 For each micro-batching mode (default: fixed padded, then dynamic packed) in turn: compute_values on a batch,
 then three optimizer steps (one update_critic call over three mini-batches, no shuffle). Rank 0 writes values
-and metrics.
+and metrics. ``--fused-adamw``: torch's fused AdamW (as on a GPU), whose optimizer steps are taken on the
+device (megacritic.optim.step_on_device: grad norm and clipping without a host read).
 """
 
 import json
@@ -14,8 +15,10 @@ import torch
 import torch.distributed as dist
 
 from megacritic import CriticWorker, load_config
+from megacritic.compat.kernels import use_fused_adamw
 from megacritic.config import TINY_MODEL_OVERRIDES
 from megacritic.data.sources import SyntheticRollouts
+from megacritic.optim import steps_on_device
 
 MODEL = [*TINY_MODEL_OVERRIDES, "model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediate_size=96",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.vocab_size=61",
@@ -36,13 +39,16 @@ MODES = {
 DEFAULT_MODES = ["fixed", "dynamic"]
 
 
-def run(overrides, modes=DEFAULT_MODES):
+def run(overrides, modes=DEFAULT_MODES, fused_adamw=False):
     out = {}
     for mode in modes:
         extra = MODES[mode]
         config = load_config(MODEL + extra + overrides)
         worker = CriticWorker(config)
         worker.init_model()
+        if fused_adamw:
+            use_fused_adamw(worker.state.optimizer)
+            assert steps_on_device(worker.state.optimizer)
         data = SyntheticRollouts(config)
         batch = data.batch(0)
         values = worker.compute_values(batch)
@@ -59,7 +65,8 @@ def run(overrides, modes=DEFAULT_MODES):
 if __name__ == "__main__":
     args = sys.argv[2:]
     modes = args.pop(0).split("=", 1)[1].split(",") if args and args[0].startswith("--modes=") else DEFAULT_MODES
-    result = run(args, modes)
+    fused = "--fused-adamw" in args
+    result = run([a for a in args if a != "--fused-adamw"], modes, fused_adamw=fused)
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(result, f)
