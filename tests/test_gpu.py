@@ -15,6 +15,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PINNED_KERNEL = "model.attention_impl=fa2"
 
 
+@pytest.fixture(autouse=True)
+def _compiled_kernels_afresh():
+    """Each test compiles its kernels afresh, as a process of its own would: torch.compile's recompile limit
+    (8 variants per function) counts what every earlier test in the process compiled, and past it a function
+    runs eagerly, with other rounding (in one run of the whole file, the full-recompute run's first loss then
+    differed from the plain run's)."""
+    torch._dynamo.reset()
+    yield
+
+
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 

@@ -211,8 +211,9 @@ def init_distributed(timeout_s: int = 600) -> bool:
         return False
     if cuda:
         torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            timeout=timeout)
+    # A world of one needs no rendezvous: an in-process store (a TCP store on a port found free a moment
+    # before can lose it to another process, EADDRINUSE).
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return True
 
 
