@@ -14,6 +14,7 @@
 #   overlap    0.5B with graphs (also with glibc's malloc keeping freed memory), 0.5B and 1.5B eager   ~6
 #   host       where the host's time goes (cProfile) at 0.5B / 1.5B, and two 0.5B A/Bs (unfused, 32k budget) ~5
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
+#   kernels    bench/kernel_probe.py at 1.5B and 3B (RoPE, weight gradients, MLP with quack's fused SwiGLU) ~3
 #   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
 # Parts run in this order and combine with commas (e.g. big,small); the command stops at BUDGET seconds
 # (480), and a bench part cut short keeps the systems it finished. The parts' results (OUT_DIR/part-*.json)
@@ -119,6 +120,13 @@ fi
 if has baselines; then
   bench baselines 480 --shapes qwen2.5-1.5b,qwen2.5-3b \
     --systems hf-sdpa-padded,megacritic-offload,megacritic-padded
+fi
+if has kernels; then  # bench/kernel_probe.py: RoPE, weight gradients, the MLP (quack's fused SwiGLU GEMMs), attention
+  for shape in qwen2.5-1.5b qwen2.5-3b; do
+    step "kernels $shape"
+    timeout "$(left 150)" python3 bench/kernel_probe.py --shape $shape >"$OUT/kernels-$shape.log" 2>&1
+    echo "exit $?"; tail -12 "$OUT/kernels-$shape.log" | cut -c1-220
+  done
 fi
 if has launch; then
   step "launch: fixed-size packs and CUDA graphs, 0.5B and 1.5B"

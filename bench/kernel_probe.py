@@ -1,4 +1,4 @@
-"""Which of the remaining non-GEMM costs of update_critic are worth replacing? Three probes on one GPU, on the
+"""Which of the remaining non-GEMM costs of update_critic are worth replacing? Four probes on one GPU, on the
 bench's packed micro-batches (the 32 seeded rollouts, packed into 16,384-token micro-batches), bf16:
 
 * attention: FlashAttention-2 (``varlen_attn``, today's path) against cuDNN's fused attention on the same
@@ -6,7 +6,9 @@ bench's packed micro-batches (the 32 seeded rollouts, packed into 16,384-token m
 * RoPE: Megatron's unfused ``apply_rotary_pos_emb`` on q and k against one compiled kernel with cos / sin
   computed once per micro-batch;
 * weight-gradient accumulation: ``mm`` to bf16 then ``main_grad.add_`` (Megatron without apex) against one
-  ``addmm`` that accumulates into the float32 ``main_grad`` (cuBLAS, bf16 inputs, float32 output).
+  ``addmm`` that accumulates into the float32 ``main_grad`` (cuBLAS, bf16 inputs, float32 output);
+* the MLP: cuBLAS GEMMs around Megatron's fused SwiGLU against quack's GEMMs with the SwiGLU (and in the
+  backward its derivative) in the GEMM's epilogue.
 
 Each row: forward + backward over all packs of one layer, median of 10 after 3 warm-ups, and the largest
 difference from the reference path.
@@ -184,6 +186,61 @@ def wgrad_rows(shape, micro):
     return [("wgrad accumulate (4 linears)", "mm to bf16 + main_grad.add_", timed(unfused), 0.0), row]
 
 
+def mlp_rows(shape, micro):
+    """One layer's MLP (fc1, SwiGLU, fc2), forward + backward with both weight gradients accumulated into
+    float32 buffers, over all packs: today's path (cuBLAS GEMMs, Megatron's fused SwiGLU, ``addmm`` into
+    float32) against quack's Hopper GEMMs with the SwiGLU in fc1's epilogue (``gemm_act``) and its derivative
+    in the backward GEMM's (``gemm_dact``). quack wants fc1's gate and up rows interleaved: its weight is the
+    same matrix with rows reordered (a one-time layout change), so both paths compute the same function."""
+    from megatron.core.fusions.fused_bias_swiglu import swiglu, swiglu_back
+
+    h, ffn = shape["hidden_size"], shape["intermediate_size"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = (torch.randn(2 * ffn, h, device="cuda", generator=gen) / h ** 0.5).bfloat16()  # [gate; up]
+    w2 = (torch.randn(h, ffn, device="cuda", generator=gen) / ffn ** 0.5).bfloat16()
+    w1i = torch.stack([w1[:ffn], w1[ffn:]], dim=1).reshape(2 * ffn, h)  # rows gate_0, up_0, gate_1, ...
+    data = [(torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16(),
+             torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()) for lens in micro]
+    g1, g2 = torch.zeros(2 * ffn, h, device="cuda"), torch.zeros(h, ffn, device="cuda")
+
+    def today():
+        outs = []
+        for x, dout in data:
+            y = x @ w1.t()
+            a = swiglu(y)
+            outs.append(a @ w2.t())
+            da = dout @ w2
+            torch.addmm(g2, dout.t(), a, out_dtype=torch.float32, out=g2)
+            dy = swiglu_back(da, y)
+            outs.append(dy @ w1)
+            torch.addmm(g1, dy.t(), x, out_dtype=torch.float32, out=g1)
+        return outs
+
+    rows = [("MLP fwd + bwd (fc1, SwiGLU, fc2)", "cuBLAS + Megatron fused SwiGLU", timed(today), 0.0)]
+    try:
+        from quack.gemm_interface import gemm_act, gemm_dact
+
+        def fused():
+            outs = []
+            for x, dout in data:
+                preact, a = gemm_act(x, w1i.t(), activation="swiglu")
+                outs.append(a @ w2.t())
+                dpreact, a_again = gemm_dact(dout, w2, preact, activation="swiglu")
+                torch.addmm(g2, dout.t(), a_again, out_dtype=torch.float32, out=g2)
+                outs.append(dpreact @ w1i)
+                torch.addmm(g1, dpreact.t(), x, out_dtype=torch.float32, out=g1)
+            return outs
+
+        ref, got = today(), fused()
+        diff = max(((r.float() - g.float()).abs().max() / r.float().abs().max()).item() for r, g in zip(ref, got))
+        rows.append(("MLP fwd + bwd (fc1, SwiGLU, fc2)", "quack gemm_act / gemm_dact (SwiGLU fused)", timed(fused),
+                     diff))
+    except Exception as e:  # noqa: BLE001 - a probe: report why the candidate did not run
+        rows.append(("MLP fwd + bwd (fc1, SwiGLU, fc2)", f"quack unavailable: {type(e).__name__}: {str(e)[:90]}",
+                     float("nan"), float("nan")))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=[s for s in SHAPES if s != "tiny"])
@@ -194,7 +251,8 @@ def main():
     shape, micro = SHAPES[args.shape], packs(args.budget)
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}; "
           f"{args.shape}: {len(micro)} packs, {sum(map(sum, micro))} tokens")
-    rows = rope_rows(shape, micro) + wgrad_rows(shape, micro) + attention_rows(shape, micro, args.cudnn)
+    rows = (rope_rows(shape, micro) + wgrad_rows(shape, micro) + mlp_rows(shape, micro)
+            + attention_rows(shape, micro, args.cudnn))
     print(f"{'what':30} {'path':45} {'ms/layer':>9} {'max diff':>9}")
     for what, path, t, diff in rows:
         print(f"{what:30} {path:45} {t * 1e3:9.3f} {diff:9.2e}")
