@@ -394,17 +394,16 @@ class _Step:
 
 class _HostCopy:
     """A device tensor's copy to the host, started now and read later: reading waits for the GPU work queued
-    before the copy, not for what was queued after it (a pinned buffer and an event on a GPU)."""
+    before the copy, not for what was queued after it (a pinned buffer and an event on a GPU). The caller
+    hands over ``tensor`` (a host tensor is kept as it is)."""
 
     def __init__(self, tensor: torch.Tensor):
-        self._event = None
+        self._host, self._event = tensor, None  # on the host already: nothing to wait for
         if tensor.is_cuda:
             self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        else:
-            self._host = tensor.clone()
 
     def wait(self) -> torch.Tensor:
         if self._event is not None:

@@ -169,9 +169,6 @@ class MicroBatches:
         self.built: list[MicroBatch | None] = [None] * len(parts)
         self.seconds = seconds  # spent planning and building
 
-    def get(self, i: int) -> MicroBatch:
-        return self[i]
-
     def __getitem__(self, i: int) -> MicroBatch:
         if self.built[i] is None:
             start = time.perf_counter()
@@ -260,7 +257,7 @@ class ForwardBackward:
         if self.layout.pp > 1:
             micro_batches.all()
         elif build_first and parts:
-            micro_batches.get(0)
+            micro_batches[0]
         return micro_batches
 
     def _forward_step(self, forward_only: bool, loss: "ExternalLoss | None", data_iterator, model):

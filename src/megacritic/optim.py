@@ -148,11 +148,21 @@ def _init_state(optimizer, config=None) -> None:
             optimizer.init_state(p)
 
 
+def l2_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all ``tensors`` together, float32, on their device: two launches, no host read."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)))
+
+
+def _stepping_parts(optimizer) -> list:
+    """The parts of Megatron's ``optimizer`` that step parameters on this rank (not its stubs)."""
+    return [p for p in megatron_optimizers(optimizer) if not getattr(p, "is_stub_optimizer", False)]
+
+
 def steps_on_device(optimizer) -> bool:
     """Whether :func:`step_on_device` can take the step of Megatron's ``optimizer``: every part's torch
     optimizer is torch's fused AdamW (the kernel that skips a step on the device when told to, as GradScaler
     uses it), with no loss scaler and the gradients in ``.grad`` (not the precision-aware optimizer's)."""
-    parts = [p for p in megatron_optimizers(optimizer) if not getattr(p, "is_stub_optimizer", False)]
+    parts = _stepping_parts(optimizer)
     inners = [getattr(p, "optimizer", None) for p in parts]
     return bool(parts) and all(
         type(inner) is torch.optim.AdamW and all(g.get("fused") for g in inner.param_groups)
@@ -175,14 +185,11 @@ def step_on_device(optimizer, skip: torch.Tensor) -> torch.Tensor:
     ``max_norm / (norm + 1e-6)`` in float64; the gradients are scaled by that coefficient capped at 1 (a
     scale of exactly 1 where upstream leaves them as they are)."""
     optimizer.prepare_grads()  # model gradients -> main gradients; no loss scaler here, so no inf check
-    parts = [p for p in megatron_optimizers(optimizer) if not getattr(p, "is_stub_optimizer", False)]
+    parts = _stepping_parts(optimizer)
     squares = []
     for part in parts:
         grads = part.get_main_grads_for_grad_norm()
-        if grads:
-            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
-        else:
-            norm = torch.zeros((), dtype=torch.float32, device=skip.device)
+        norm = l2_norm(grads) if grads else torch.zeros((), dtype=torch.float32, device=skip.device)
         square = (norm ** 2).reshape(1)
         torch.distributed.all_reduce(square, group=part.get_grad_stats_parallel_group())
         squares.append(square)

@@ -15,7 +15,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.utils import local_multi_tensor_applier
 
-from megacritic.optim import torch_optimizers
+from megacritic.optim import l2_norm, torch_optimizers
 
 
 def router_gemm_without_te() -> None:
@@ -66,8 +66,7 @@ def weight_grad_accumulation_available() -> bool:
 
 def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """apex's multi_tensor_l2norm as Megatron calls it: the L2 norm of all tensors, as a [1] tensor."""
-    norms = torch._foreach_norm(tensor_lists[0], 2, dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+    return l2_norm(tensor_lists[0]).reshape(1), None
 
 
 def _foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
