@@ -14,6 +14,7 @@ import argparse
 import collections
 import cProfile
 import pstats
+import re
 import time
 import traceback
 import warnings
@@ -69,15 +70,22 @@ def main():
             print(f"call {i} {phase}: {seconds:.3f} s, {tokens / seconds:,.0f} real tokens/s, MFU {used:.3f}, "
                   f"dynamo stats {frames}")
     if not args.no_torch_profile:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            call()
+        for phase in phases:  # with --phase both, each phase's kernels by kind
             torch.cuda.synchronize()
-        table = prof.key_averages()
-        print(table.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
-        print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
-        launches = sum(e.count for e in table if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                                           "cudaLaunchKernelExC"))
-        print(f"kernel launches in one call: {launches}")
+            start = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                calls[phase]()
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+            table = prof.key_averages()
+            print(f"profiled {phase} call: {wall:.3f} s of wall time under the profiler")
+            print(table.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
+            if phase == "update":
+                print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+            launches = sum(e.count for e in table if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                               "cuLaunchKernelEx", "cudaLaunchKernelExC"))
+            print(f"kernel launches in one call: {launches}")
+            print_kernel_kinds(prof, phase)
         if args.trace:
             prof.export_chrome_trace(args.trace)
     if args.host:
@@ -85,6 +93,46 @@ def main():
     if args.sync_sites:
         print_sync_sites(call)
     worker.close()
+
+
+KERNEL_KINDS = (  # first match wins; names of the kernels on the lent machine (cuBLAS, CUTLASS, FA4, Triton)
+    ("attention (FlashAttention)", r"flash|fmha|FlashAttn"),
+    ("GEMM", r"gemm|nvjet|xmma|cutlass|sm90_|Gemm|splitKreduce"),
+    ("SwiGLU (Megatron, Triton)", r"swiglu|glu"),
+    ("AdamW (fused)", r"adam|Adam"),
+    ("grad norm / scale (foreach)", r"multi_tensor|foreach|norm_kernel|lpnorm"),
+    ("compiled kernels (RMSNorm, RoPE: Triton)", r"^triton_"),
+    ("embedding", r"embedding|indexSelect|index_select|indexing_backward|index_put"),
+    ("reductions (sum, bias grads)", r"reduce_kernel|Reduce"),
+    ("copies, casts", r"copy|Memcpy|memcpy|cast|convert"),
+    ("memset / fill", r"Memset|memset|fill"),
+    ("elementwise (adds, muls)", r"elementwise|vectorized|unrolled"),
+)
+
+
+def print_kernel_kinds(prof, phase: str) -> None:
+    """The phase's GPU time by kind of kernel, and the GPU's busy time against the call's span."""
+    from torch.autograd import DeviceType
+    kinds, spans = collections.Counter(), []
+    examples = {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        for kind, pattern in KERNEL_KINDS:
+            if re.search(pattern, e.name):
+                break
+        else:
+            kind = "other"
+        kinds[kind] += us
+        examples.setdefault(kind, collections.Counter())[e.name[:80]] += us
+        spans.append((e.time_range.start, e.time_range.end))
+    busy = sum(kinds.values()) / 1e6
+    span = (max(e for _, e in spans) - min(s for s, _ in spans)) / 1e6 if spans else 0.0
+    print(f"{phase}: GPU busy {busy:.3f} s over a span of {span:.3f} s (first kernel's start to last's end)")
+    for kind, us in kinds.most_common():
+        top = ", ".join(f"{n} {t / 1e3:.1f} ms" for n, t in examples[kind].most_common(3))
+        print(f"  {us / 1e6:7.3f} s {us / 1e6 / max(busy, 1e-9):6.1%}  {kind}   [{top}]")
 
 
 def print_host_profile(call) -> None:
