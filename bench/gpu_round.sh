@@ -4,7 +4,7 @@
 #   bash bench/gpu_round.sh OUT_DIR PART COMMIT        (carry: .gpu .whl)
 # PART (estimated minutes after the setup, from the last rounds' per-process costs; each step is capped):
 #   tests      pytest -m gpu tests/test_gpu.py                                                          ~4
-#   profile    1.5B and 3B, both phases: the GPU's time by kind of kernel (bench/profile_phase.py)     ~4
+#   profile    0.5B, 1.5B, 3B, both phases: the GPU's time by kind of kernel (bench/profile_phase.py)     ~4
 #   big        bench 7B, megacritic-packed (bf16 Adam moments, MLP recompute), 1 process                 ~4.5
 #   small      bench 0.5B, every system (megacritic-packed in 2 processes)                              ~4
 #   mid        bench 1.5B (16,384 and 32,768) and 3B, megacritic-packed in 2 processes                  ~7
@@ -60,9 +60,10 @@ if has tests; then
   grep -aE "rel error|moments:|device memory|passed|failed|FAILED|SKIPPED|Error" "$OUT/tests.log" | tail -30 | cut -c1-250
 fi
 if has profile; then  # both phases at 1.5B and 3B: the GPU's time by kind of kernel, its busy time against the span
-  for shape in qwen2.5-1.5b qwen2.5-3b; do
+  for shape in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b; do
     step "profile: $shape, both phases"
-    timeout "$(left 150)" python3 bench/profile_phase.py --shape $shape --phase both --calls 2 \
+    graphs=""; [ $shape = qwen2.5-0.5b ] && graphs="model.cuda_graphs=true"  # as the bench runs it
+    timeout "$(left 150)" python3 bench/profile_phase.py --shape $shape --phase both --calls 2 $graphs \
       >"$OUT/profile-$shape.log" 2>&1
     echo "exit $?"; grep -aE "^call|^profiled|GPU busy|^  +[0-9.]+ s +[0-9.]+%|Error" "$OUT/profile-$shape.log" | cut -c1-250
   done
