@@ -60,7 +60,7 @@ if has tests; then
   grep -aE "rel error|moments:|device memory|passed|failed|FAILED|SKIPPED|Error" "$OUT/tests.log" | tail -30 | cut -c1-250
 fi
 if has profile; then  # both phases at 1.5B and 3B: the GPU's time by kind of kernel, its busy time against the span
-  for shape in qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b; do
+  for shape in ${PROFILE_SHAPES:-qwen2.5-0.5b qwen2.5-1.5b qwen2.5-3b}; do
     step "profile: $shape, both phases"
     graphs=""; [ $shape = qwen2.5-0.5b ] && graphs="model.cuda_graphs=true"  # as the bench runs it
     timeout "$(left 150)" python3 bench/profile_phase.py --shape $shape --phase both --calls 2 $graphs \
