@@ -10,7 +10,7 @@ bench's packed micro-batches (the 32 seeded rollouts, packed into 16,384-token m
 * the MLP: cuBLAS GEMMs around Megatron's fused SwiGLU against quack's GEMMs with the SwiGLU (and in the
   backward its derivative) in the GEMM's epilogue.
 
-Each row: forward + backward over all packs of one layer, median of 10 after 3 warm-ups, and the largest
+Each row: forward (+ backward) over all packs of one layer, median of 10 after 3 warm-ups, and the largest
 difference from the reference path.
 
     python bench/kernel_probe.py [--shape qwen2.5-1.5b] [--budget 16384]
@@ -216,28 +216,58 @@ def mlp_rows(shape, micro):
             torch.addmm(g1, dy.t(), x, out_dtype=torch.float32, out=g1)
         return outs
 
-    rows = [("MLP fwd + bwd (fc1, SwiGLU, fc2)", "cuBLAS + Megatron fused SwiGLU", timed(today), 0.0)]
+    def today_forward():
+        return [swiglu(x @ w1.t()) @ w2.t() for x, _ in data]
+
+    rows = [("MLP fwd (fc1, SwiGLU, fc2)", "cuBLAS + Megatron fused SwiGLU", timed(today_forward), 0.0),
+            ("MLP fwd + bwd (fc1, SwiGLU, fc2)", "cuBLAS + Megatron fused SwiGLU", timed(today), 0.0)]
+    for row in rows:
+        print(*row, flush=True)
     try:
-        from quack.gemm_interface import gemm_act, gemm_dact
+        from quack.gemm_interface import gemm, gemm_act, gemm_dact
+    except Exception as e:  # noqa: BLE001 - a probe: report why the candidate did not run
+        return rows + [("MLP", f"quack unavailable: {type(e).__name__}: {str(e)[:90]}", float("nan"), float("nan"))]
+
+    def relative(ref, got):
+        return max(((r.float() - g.float()).abs().max() / r.float().abs().max()).item() for r, g in zip(ref, got))
+
+    # tuned=False: quack's heuristic config (its autotuner keys on the full shape, so every new pack length
+    # would tune again); tuned=True last: the autotuned best per pack length, the kernels' ceiling.
+    for tuned in (False, True):
+        def forward():
+            return [gemm(gemm_act(x, w1i.t(), activation="swiglu", store_preact=False, tuned=tuned)[1], w2.t(),
+                         tuned=tuned) for x, _ in data]
 
         def fused():
             outs = []
             for x, dout in data:
-                preact, a = gemm_act(x, w1i.t(), activation="swiglu")
-                outs.append(a @ w2.t())
-                dpreact, a_again = gemm_dact(dout, w2, preact, activation="swiglu")
+                preact, a = gemm_act(x, w1i.t(), activation="swiglu", tuned=tuned)
+                outs.append(gemm(a, w2.t(), tuned=tuned))
+                dpreact, a_again = gemm_dact(dout, w2, preact, activation="swiglu", tuned=tuned)
                 torch.addmm(g2, dout.t(), a_again, out_dtype=torch.float32, out=g2)
-                outs.append(dpreact @ w1i)
+                outs.append(gemm(dpreact, w1i, tuned=tuned))
                 torch.addmm(g1, dpreact.t(), x, out_dtype=torch.float32, out=g1)
             return outs
 
-        ref, got = today(), fused()
-        diff = max(((r.float() - g.float()).abs().max() / r.float().abs().max()).item() for r, g in zip(ref, got))
-        rows.append(("MLP fwd + bwd (fc1, SwiGLU, fc2)", "quack gemm_act / gemm_dact (SwiGLU fused)", timed(fused),
-                     diff))
-    except Exception as e:  # noqa: BLE001 - a probe: report why the candidate did not run
-        rows.append(("MLP fwd + bwd (fc1, SwiGLU, fc2)", f"quack unavailable: {type(e).__name__}: {str(e)[:90]}",
-                     float("nan"), float("nan")))
+        try:
+            name = "autotuned" if tuned else "heuristic config"
+            rows.append(("MLP fwd (fc1, SwiGLU, fc2)", f"quack gemm_act + gemm, {name}", timed(forward),
+                         relative(today_forward(), forward())))
+            print(*rows[-1], flush=True)
+            rows.append(("MLP fwd + bwd (fc1, SwiGLU, fc2)", f"quack gemm_act / gemm_dact, {name}", timed(fused),
+                         relative(today(), fused())))
+            print(*rows[-1], flush=True)
+        except Exception as e:  # noqa: BLE001
+            rows.append(("MLP", f"quack failed: {type(e).__name__}: {str(e)[:90]}", float("nan"), float("nan")))
+    # the plain GEMMs alone: quack against cuBLAS on fc1's and fc2's forward shapes
+    x = data[0][0]
+    a = torch.randn(x.shape[0], ffn, device="cuda", generator=gen).bfloat16()
+    rows += [("GEMM fc1 fwd [M, h] x [h, 2F]", "cuBLAS", timed(lambda: [x @ w1.t() for x, _ in data]), 0.0),
+             ("GEMM fc1 fwd [M, h] x [h, 2F]", "quack heuristic",
+              timed(lambda: [gemm(x, w1.t(), tuned=False) for x, _ in data]), 0.0),
+             ("GEMM fc2 fwd [M, F] x [F, h]", "cuBLAS (first pack)", timed(lambda: a @ w2.t()), 0.0),
+             ("GEMM fc2 fwd [M, F] x [F, h]", "quack heuristic (first pack)",
+              timed(lambda: gemm(a, w2.t(), tuned=False)), 0.0)]
     return rows
 
 
@@ -251,8 +281,8 @@ def main():
     shape, micro = SHAPES[args.shape], packs(args.budget)
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}; "
           f"{args.shape}: {len(micro)} packs, {sum(map(sum, micro))} tokens")
-    rows = (rope_rows(shape, micro) + wgrad_rows(shape, micro) + mlp_rows(shape, micro)
-            + attention_rows(shape, micro, args.cudnn))
+    rows = mlp_rows(shape, micro) + rope_rows(shape, micro) + wgrad_rows(shape, micro) + attention_rows(
+        shape, micro, args.cudnn)
     print(f"{'what':30} {'path':45} {'ms/layer':>9} {'max diff':>9}")
     for what, path, t, diff in rows:
         print(f"{what:30} {path:45} {t * 1e3:9.3f} {diff:9.2e}")
