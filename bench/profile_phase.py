@@ -116,7 +116,9 @@ def print_kernel_kinds(prof, phase: str) -> None:
     kinds, spans = collections.Counter(), []
     examples = {}
     for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
+        # a user annotation on the GPU's timeline (the optimizer's step, a compiled graph's call) spans kernels
+        # that are counted themselves
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
             continue
         us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         for kind, pattern in KERNEL_KINDS:

@@ -470,6 +470,39 @@ def test_compiled_rope_matches_float64_rotation():
     assert _rel(q.grad, qd.grad) < 4e-3 and _rel(k.grad, kd.grad) < 4e-3
 
 
+@pytest.mark.parametrize("rotate,bias", [(True, True), (True, False), (False, True)])
+def test_compiled_qkv_split_matches_float64(rotate, bias):
+    """The compiled bias + split into heads + RoPE of FusedQKVSelfAttention (float32 inside, one rounding)
+    against the same steps in float64, forward and backward (the bias gradient included), in bf16: within
+    bf16 rounding of the inputs."""
+    from megacritic.model.layers import split_qkv
+
+    torch.manual_seed(0)
+    lens, groups, per_group, d = [700, 3, 1300], 2, 6, 128
+    t = sum(lens)
+    mixed = torch.randn(t, groups * (per_group + 2) * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(mixed.shape[1], device="cuda", dtype=torch.bfloat16, requires_grad=True) if bias else None
+    rotary = None
+    if rotate:
+        inv = 1.0 / 1e6 ** (torch.arange(0, d, 2, dtype=torch.float64, device="cuda") / d)
+        pos = torch.cat([torch.arange(n, dtype=torch.float64, device="cuda") for n in lens])
+        freqs = torch.outer(pos, inv).repeat(1, 2)[:, None, :]  # [t, 1, d]
+        rotary = (freqs.cos().bfloat16(), freqs.sin().bfloat16())
+    outs = split_qkv(mixed, b, groups, d, rotary, fused=True)
+    assert [tuple(x.shape) for x in outs] == [(t, groups * per_group, d), (t, groups, d), (t, groups, d)]
+    md = mixed.detach().double().requires_grad_()
+    bd = b.detach().double().requires_grad_() if bias else None
+    refs = split_qkv(md, bd, groups, d, tuple(x.double() for x in rotary) if rotate else None)
+    for got, want in zip(outs, refs):
+        assert got.dtype == torch.bfloat16 and _rel(got.detach(), want.detach()) < 4e-3
+    grads = [torch.randn_like(x) for x in outs]
+    torch.autograd.backward(list(outs), grads)
+    torch.autograd.backward(list(refs), [g.double() for g in grads])
+    assert _rel(mixed.grad, md.grad) < 4e-3
+    if bias:
+        assert _rel(b.grad, bd.grad) < 4e-3
+
+
 def test_weight_gradient_accumulates_in_the_gemm():
     """The stand-in for apex's wgrad_gemm_accum_fp32: main_grad += grad_output^T @ input from bf16 inputs,
     accumulated in float32 (no bf16 rounding of the product), against float64."""

@@ -220,6 +220,60 @@ def test_packed_rope_is_megatrons_arithmetic_and_rotates_each_rollout_from_posit
 
 
 # --------------------------------------------------------------------------------------------------
+# Query / key / value out of the QKV projection in one pass (FusedQKVSelfAttention)
+
+
+@pytest.mark.parametrize("extra", [[], ["model.attention_bias=false"], ["model.qk_layernorm=true"]])
+def test_fused_qkv_split_is_megatrons_split_then_rope(extra):
+    """Bias, split into heads and RoPE of a pack, and their backward, are bit for bit what Megatron's
+    SelfAttention computes (its projection adding the bias, its split, then its unfused RoPE) in float32."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.transformer.attention import SelfAttention
+
+    from megacritic import CriticWorker, load_config
+    from megacritic.config import TINY_MODEL_OVERRIDES
+    from megacritic.model.layers import FusedQKVSelfAttention
+
+    worker = CriticWorker(load_config([*TINY_MODEL_OVERRIDES, "model.dtype=float32", *extra]))
+    worker.init_model()
+    try:
+        attn = worker.state.model[0].module.decoder.layers[0].self_attention
+        assert isinstance(attn, FusedQKVSelfAttention) and attn.split_here
+        assert attn.linear_qkv.skip_bias_add  # the bias is added by the split
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in attn.parameters():
+                p.normal_()
+        lens, d = [5, 1, 9], attn.hidden_size_per_attention_head
+        hidden = torch.randn(sum(lens), 1, attn.config.hidden_size, requires_grad=True)
+        freqs = _pack_rotary(lens, d).float()
+
+        def run(ours):
+            worker.state.model[0].zero_grad_buffer()  # DDP's hooks add parameter gradients to main_grad
+            hidden.grad = None
+            if ours:
+                attn._rotary = (freqs.cos()[:, 0], freqs.sin()[:, 0])
+                q, k, v = attn.get_query_key_value_tensors(hidden)
+                attn._rotary = None
+            else:
+                attn.linear_qkv.skip_bias_add = False
+                q, k, v = SelfAttention.get_query_key_value_tensors(attn, hidden)
+                attn.linear_qkv.skip_bias_add = True
+                q, k = _apply_rotary_pos_emb_bshd(q, freqs), _apply_rotary_pos_emb_bshd(k, freqs)
+            gen = torch.Generator().manual_seed(1)
+            outs = (q, k, v)
+            torch.autograd.backward(outs, [torch.randn(x.shape, generator=gen) for x in outs])
+            return [x.detach() for x in outs] + [hidden.grad] + [p.main_grad.clone() for p in attn.parameters()]
+
+        ours, megatron = run(True), run(False)
+        assert len(ours) == len(megatron) > 4
+        for got, want in zip(ours, megatron):
+            assert got.shape == want.shape and torch.equal(got, want)
+    finally:
+        worker.close()
+
+
+# --------------------------------------------------------------------------------------------------
 # RMSNorm
 
 

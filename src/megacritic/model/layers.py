@@ -1,6 +1,10 @@
-"""Our modules that plug into Megatron-Core's GPT layer spec: core attention, RMSNorm, value head.
+"""Our modules that plug into Megatron-Core's GPT layer spec: self attention's query / key / value,
+core attention, RMSNorm, value head.
 
 Why our own:
+* ``FusedQKVSelfAttention``: Megatron's SelfAttention adds the QKV projection's bias in a broadcast pass
+  of its own, copies the queries out of the projection's interleaved layout and rotates them in more
+  passes; ours does bias, split and (packed micro-batches) RoPE as one compiled kernel each way on GPU.
 * ``CoreAttention``: Megatron's local ``DotProductAttention`` materialises the full score matrix; without
   Transformer Engine it measured 3.8x slower with 4.5x the memory of SDPA on an H200 (design notes).
   Megatron's context parallelism also lives in Transformer Engine's attention, so ours provides it.
@@ -22,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
@@ -108,7 +114,7 @@ class CoreAttention(MegatronModule):
 
     Padded: one ``scaled_dot_product_attention`` call; rows are left-aligned and right-padded, so a plain
     causal mask is exact for every real token (padding only follows real tokens). Packed (THD): each
-    rollout attends only to itself, through the kernel ``impl`` names (:func:`resolve_attention_impl`,
+    rollout attends only to itself (its queries and keys arrive rotated), through the kernel ``impl`` names (:func:`resolve_attention_impl`,
     chosen once when the model is built): FlashAttention-4, FlashAttention-2 (torch's ``varlen_attn``) or an
     exact per-rollout SDPA loop.
 
@@ -119,12 +125,10 @@ class CoreAttention(MegatronModule):
     """
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type, cp_comm_type=None,
-                 softmax_scale=None, pg_collection=None, fused: bool = False, attention_impl: str = "auto",
-                 **unused):
+                 softmax_scale=None, pg_collection=None, attention_impl: str = "auto", **unused):
         super().__init__(config=config)
         self.softmax_scale = softmax_scale
         self.cp_group = getattr(pg_collection, "cp", None)
-        self.fused = fused and not config.use_cpu_initialization
         on_gpu = not config.use_cpu_initialization and torch.cuda.is_available()
         self.impl = resolve_attention_impl(attention_impl, config.params_dtype, on_gpu, config.kv_channels)
 
@@ -143,9 +147,7 @@ class CoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)  # [s, b, heads * d]
 
     def _packed(self, q: Tensor, k: Tensor, v: Tensor, params) -> Tensor:
-        """q [t, heads, d], k/v [t, groups, d] -> [t, heads * d]."""
-        if getattr(params, "rotary", None) is not None:
-            q, k = apply_rotary(q, k, *params.rotary, fused=self.fused and q.is_cuda)
+        """q [t, heads, d], k/v [t, groups, d] (queries and keys rotated: FusedQKVSelfAttention) -> [t, heads * d]."""
         if isinstance(params, ContextParallelPack):
             # One all-gather for keys and values together: [cp * t, 2 * groups, d], rank-major.
             kv = gather_from_sequence_parallel_region(torch.cat([k, v], dim=1), group=self.cp_group)
@@ -220,6 +222,100 @@ def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, fused: bool = F
     """RoPE for a pack: q [t, heads, d], k [t, groups, d], per-token cos / sin [t, 1, d]. Unfused it is
     Megatron's arithmetic exactly (in the activations' dtype); ``fused`` (CUDA) computes in float32."""
     return (_compiled_rotate_qk() if fused else _rotate_qk)(q, k, cos, sin)
+
+
+def _split_qkv(mixed: Tensor, bias: Tensor | None, groups: int, d: int,
+               rotary: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The QKV projection's output without its bias, mixed [t, groups * (heads / groups + 2) * d] (per
+    group: its queries, its key, its value) -> q [t, heads, d], k / v [t, groups, d]: the bias added, split
+    into heads and, given per-token (cos, sin) [t, 1, d], q and k rotated. Megatron's arithmetic exactly
+    (add, split, reshape, RoPE, each in the activations' dtype)."""
+    if bias is not None:
+        mixed = mixed + bias
+    x = mixed.view(mixed.shape[0], groups, -1)
+    q, k, v = x.split([x.shape[-1] - 2 * d, d, d], dim=-1)
+    q = q.reshape(q.shape[0], -1, d)
+    if rotary is not None:
+        q, k = _rotate_qk(q, k, *rotary)
+    return q, k, v
+
+
+@functools.cache
+def _compiled_split_qkv(groups: int, d: int):
+    # Only the token count varies (marked dynamic at each call); the head layout is fixed per model, so
+    # the kernels index with constants instead of symbolic sizes.
+    # One kernel each way for the three outputs (and the bias gradient) instead of the broadcast bias add
+    # (a strided, unvectorised kernel), the copy of the queries out of the interleaved layout and RoPE's
+    # passes; computed in float32 and rounded once (bench/NOTES.md).
+    def split(mixed, bias, cos, sin):
+        x = mixed.float() if bias is None else mixed.float() + bias.float()
+        x = x.view(x.shape[0], groups, -1)
+        q, k, v = x.split([x.shape[-1] - 2 * d, d, d], dim=-1)
+        q = q.reshape(q.shape[0], -1, d)
+        if cos is not None:
+            q, k = _rotate_qk(q, k, cos.float(), sin.float())
+        return q.to(mixed.dtype), k.to(mixed.dtype), v.to(mixed.dtype)
+    return torch.compile(split)
+
+
+def split_qkv(mixed: Tensor, bias: Tensor | None, groups: int, d: int, rotary: tuple[Tensor, Tensor] | None = None,
+              fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_split_qkv`; ``fused`` (CUDA): one compiled kernel, float32 inside, contiguous outputs."""
+    if fused:
+        cos, sin = rotary if rotary is not None else (None, None)
+        for x in (mixed, cos, sin):
+            if x is not None:
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+        return _compiled_split_qkv(groups, d)(mixed, bias, cos, sin)
+    return _split_qkv(mixed, bias, groups, d, rotary)
+
+
+class FusedQKVSelfAttention(SelfAttention):
+    """Megatron's SelfAttention whose query / key / value come out of the QKV projection in one pass:
+    bias added, split into heads and, for a packed micro-batch (its per-token cos / sin on the
+    :class:`~megacritic.packing.pack.Pack`), queries and keys rotated (:func:`split_qkv`). Padded
+    micro-batches keep Megatron's RoPE, applied after this split.
+
+    The projection then runs without its bias (``skip_bias_add``: the same parameter, added here), and so
+    does its bias gradient: the split's backward gives it. Where Megatron gathers query groups over tensor-
+    parallel ranks (fewer groups than ranks), the split stays Megatron's and only RoPE is ours. Qwen3's
+    query / key norms come before RoPE, so with them the split and RoPE are two passes.
+    """
+
+    def __init__(self, config, submodules, layer_number, attn_mask_type, fused: bool = False, **kwargs):
+        super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
+        self.fused = fused and not config.use_cpu_initialization
+        self.split_here = config.num_query_groups >= self.world_size
+        self.qk_norm = not (self.q_layernorm is None or isinstance(self.q_layernorm, IdentityOp))
+        self.linear_qkv.skip_bias_add = self.split_here
+        self._rotary = None  # the running call's (cos, sin): get_query_key_value_tensors is called without it
+
+    def forward(self, *args, packed_seq_params=None, **kwargs):
+        self._rotary = getattr(packed_seq_params, "rotary", None)
+        try:
+            return super().forward(*args, packed_seq_params=packed_seq_params, **kwargs)
+        finally:
+            self._rotary = None
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, **kwargs):
+        if output_gate or not kwargs.get("split_qkv", True):
+            raise ValueError("FusedQKVSelfAttention: gated attention and TE's fused QKV RoPE are not supported")
+        rotary, fused = self._rotary, self.fused and hidden_states.is_cuda
+        if not self.split_here:
+            q, k, v = super().get_query_key_value_tensors(hidden_states, key_value_states)
+            if rotary is not None:
+                q, k = (x.unsqueeze(1) for x in apply_rotary(q.squeeze(1), k.squeeze(1), *rotary, fused=fused))
+            return q, k, v
+        mixed, bias = self.linear_qkv(hidden_states)  # [s, b, groups * (heads / groups + 2) * d]
+        s, b = mixed.shape[:2]
+        q, k, v = split_qkv(mixed.view(s * b, -1), bias, self.num_query_groups_per_partition,
+                            self.hidden_size_per_attention_head, None if self.qk_norm else rotary, fused)
+        q, k, v = (x.view(s, b, *x.shape[1:]) for x in (q, k, v))
+        if self.qk_norm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+            if rotary is not None:
+                q, k = (x.unsqueeze(1) for x in apply_rotary(q.squeeze(1), k.squeeze(1), *rotary, fused=fused))
+        return q, k, v
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -30,7 +30,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megacritic.compat.kernels import weight_grad_accumulation_available
 from megacritic.config.schema import (MegatronConfig, ModelConfig, expert_ffn_size, head_dim, is_moe,
                                       moe_layer_pattern, shared_expert_size)
-from megacritic.model.layers import GroupedExperts, RMSNorm, CoreAttention, ValueHead
+from megacritic.model.layers import CoreAttention, FusedQKVSelfAttention, GroupedExperts, RMSNorm, ValueHead
 from megacritic.parallel import ParallelLayout
 
 def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
@@ -167,7 +167,7 @@ def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused:
                attention_impl: str = "auto") -> ModuleSpec:
     """A Llama / Qwen2 / Qwen3 decoder layer built from Megatron modules, with our attention and norm
     (also over each query and key head with ``qk_layernorm``); ``moe`` replaces the dense MLP; ``fused``:
-    compiled norms on GPU; ``attention_impl``: model.attention_impl."""
+    compiled norms and QKV split / RoPE on GPU; ``attention_impl``: model.attention_impl."""
     norm = norm_spec(fused)
     qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
@@ -175,12 +175,11 @@ def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused:
         submodules=TransformerLayerSubmodules(
             input_layernorm=norm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
+                module=FusedQKVSelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal, "fused": fused},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=ModuleSpec(module=CoreAttention,
-                                              params={"fused": fused, "attention_impl": attention_impl}),
+                    core_attention=ModuleSpec(module=CoreAttention, params={"attention_impl": attention_impl}),
                     linear_proj=RowParallelLinear,
                     q_layernorm=qk_norm,
                     k_layernorm=qk_norm,
@@ -240,8 +239,8 @@ class ValueModel(GPTModel):
     def forward(self, input_ids, position_ids, attention_mask, *args, packed_seq_params=None, **kwargs):
         """GPTModel's forward; for a packed micro-batch (a :class:`megacritic.packing.pack.Pack`) each
         token's rotary cos / sin, read from the table at its position within its rollout, travel with the
-        pack to our core attention, which rotates queries and keys in one pass (Megatron then applies no
-        RoPE of its own: see ``_preprocess``)."""
+        pack to our self attention, which rotates queries and keys as it splits them out of the QKV
+        projection (Megatron then applies no RoPE of its own: see ``_preprocess``)."""
         if packed_seq_params is not None:
             table = self.rotary_pos_emb(max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv),
                                         packed_seq=True)  # [max_len, 1, 1, d] float32

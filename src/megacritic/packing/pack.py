@@ -14,7 +14,7 @@ from torch import Tensor
 class Pack(PackedSeqParams):
     """A packed micro-batch: Megatron's boundaries (cu_seqlens, max_seqlen) and, set by
     :class:`megacritic.model.value_model.ValueModel` for its layers, each token's rotary cos / sin, which
-    :class:`CoreAttention` applies to queries and keys (positions restart at every rollout)."""
+    :class:`~megacritic.model.layers.FusedQKVSelfAttention` applies to queries and keys (positions restart at every rollout)."""
 
     rotary: tuple[Tensor, Tensor] | None = None  # cos, sin: [t, 1, d] in the activations' dtype
 
