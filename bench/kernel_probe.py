@@ -271,16 +271,114 @@ def mlp_rows(shape, micro):
     return rows
 
 
+def qkv_rows(shape, micro):
+    """The QKV projection's output to rotated q / k and v (FusedQKVSelfAttention): Megatron's passes (bias
+    add, split, query copy, RoPE) against one compiled function, in several formulations; forward alone and
+    forward + backward over all packs of one layer."""
+    from megacritic.model import layers
+    heads, groups = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape["hidden_size"] // heads
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    data = []
+    for lens in micro:
+        t = sum(lens)
+        pos = torch.cat([torch.arange(n, device="cuda") for n in lens]).float()
+        freqs = torch.outer(pos, inv).repeat(1, 2)[:, None, :]  # [t, 1, d]
+        mixed = torch.randn(t, (heads + 2 * groups) * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        data.append((mixed, (freqs.cos().bfloat16(), freqs.sin().bfloat16())))
+    bias = torch.randn(data[0][0].shape[1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def variant(fn):
+        grads = {}
+
+        def run(backward):
+            outs = []
+            for mixed, rotary in data:
+                q, k, v = fn(mixed, bias, rotary)
+                if backward:
+                    key = q.shape[0]
+                    if key not in grads:
+                        grads[key] = [torch.randn_like(x) for x in (q, k, v)]
+                    torch.autograd.backward([q, k, v], grads[key])
+                outs.append(q.detach())
+            return outs
+        return run
+
+    def split_rotate_halves(x, cos, sin):  # rotation through a [.., 2, d/2] view instead of chunk / cat
+        h = x.unflatten(-1, (2, -1))
+        rot = torch.stack([-h[..., 1, :], h[..., 0, :]], dim=-2).flatten(-2)
+        return x * cos + rot * sin
+
+    def formulation(rotate, options=None, dynamic=None):
+        def split(mixed, b, cos, sin):
+            x = (mixed.float() + b.float()).view(mixed.shape[0], groups, -1)
+            q, k, v = x.split([x.shape[-1] - 2 * d, d, d], dim=-1)
+            q = q.reshape(q.shape[0], -1, d)
+            c, s = cos.float(), sin.float()
+            return rotate(q, c, s).to(mixed.dtype), rotate(k, c, s).to(mixed.dtype), v.to(mixed.dtype)
+        compiled = torch.compile(split, options=options, dynamic=dynamic)
+
+        def call(mixed, b, rotary):
+            torch._dynamo.maybe_mark_dynamic(mixed, 0)
+            torch._dynamo.maybe_mark_dynamic(rotary[0], 0)
+            torch._dynamo.maybe_mark_dynamic(rotary[1], 0)
+            return compiled(mixed, b, *rotary)
+        return call
+
+    def separate(mixed, b, rotary):  # three compiled functions, one output each
+        return sep_q(mixed, b, *rotary), sep_k(mixed, b, *rotary), sep_v(mixed, b)
+
+    def _q(mixed, b, cos, sin):
+        x = (mixed.float() + b.float()).view(mixed.shape[0], groups, -1)[..., : -2 * d].reshape(mixed.shape[0], -1, d)
+        return layers._rotate(x, cos.float(), sin.float()).to(mixed.dtype)
+
+    def _k(mixed, b, cos, sin):
+        x = (mixed.float() + b.float()).view(mixed.shape[0], groups, -1)[..., -2 * d: -d]
+        return layers._rotate(x, cos.float(), sin.float()).to(mixed.dtype)
+
+    def _v(mixed, b):
+        return (mixed.float() + b.float()).view(mixed.shape[0], groups, -1)[..., -d:].to(mixed.dtype)
+    sep_q, sep_k, sep_v = (torch.compile(f, dynamic=True) for f in (_q, _k, _v))
+
+    paths = [
+        ("Megatron's passes (eager)", lambda m, b, r: layers.split_qkv(m, b, groups, d, r)),
+        ("split_qkv compiled (today)", lambda m, b, r: layers.split_qkv(m, b, groups, d, r, fused=True)),
+        ("compiled, coordinate descent tuning", formulation(layers._rotate, {"coordinate_descent_tuning": True})),
+        ("compiled, rotation via [2, d/2] view", formulation(split_rotate_halves)),
+        ("compiled, all sizes dynamic", formulation(layers._rotate, dynamic=True)),
+        ("three compiled functions", separate),
+    ]
+    ref = variant(paths[0][1])(False)
+    rows = []
+    for name, fn in paths:
+        run = variant(fn)
+        try:
+            out = run(True)
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, out))
+            rows += [("qkv split + RoPE, forward", name, timed(lambda: run(False)), diff),
+                     ("qkv split + RoPE, fwd + bwd", name, timed(lambda: run(True)), diff)]
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        for row in rows[-2:]:
+            print(f"{row[0]:30} {row[1]:45} {row[2] * 1e3:9.3f} {row[3]:9.2e}", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=[s for s in SHAPES if s != "tiny"])
     parser.add_argument("--budget", type=int, default=16384)
+    parser.add_argument("--only", choices=["qkv"], help="only these rows")
     parser.add_argument("--cudnn", action="store_true",
                         help="also cuDNN attention (its ragged path is experimental in PyTorch: run it apart)")
     args = parser.parse_args()
     shape, micro = SHAPES[args.shape], packs(args.budget)
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}; "
           f"{args.shape}: {len(micro)} packs, {sum(map(sum, micro))} tokens")
+    if args.only == "qkv":
+        qkv_rows(shape, micro)
+        return
     rows = mlp_rows(shape, micro) + rope_rows(shape, micro) + wgrad_rows(shape, micro) + attention_rows(
         shape, micro, args.cudnn)
     print(f"{'what':30} {'path':45} {'ms/layer':>9} {'max diff':>9}")
