@@ -3,7 +3,7 @@
 # machine's start): set up FlashAttention-4 and the wheels, then run PART, writing its files to OUT_DIR.
 #   bash bench/gpu_round.sh OUT_DIR PART COMMIT        (carry: .gpu .whl)
 # PART (estimated minutes after the setup, from the last rounds' per-process costs; each step is capped):
-#   tests      pytest -m gpu tests/test_gpu.py                                                          ~4
+#   tests      pytest -m gpu tests/test_gpu.py (TESTS_K: only the tests pytest -k selects)              ~4
 #   profile    0.5B, 1.5B, 3B, both phases: the GPU's time by kind of kernel (bench/profile_phase.py)     ~4
 #   big        bench 7B, megacritic-packed (bf16 Adam moments, MLP recompute), 1 process                 ~4.5
 #   small      bench 0.5B, every system (megacritic-packed in 2 processes)                              ~4
@@ -56,7 +56,8 @@ bench() {  # bench NAME SECONDS ARGS...: one results part, its log's end, its ta
 
 if has tests; then
   step tests
-  timeout "$(left 330)" python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu.py -s >"$OUT/tests.log" 2>&1
+  timeout "$(left 330)" python3 -m pytest -q -m gpu -rs -p no:cacheprovider tests/test_gpu.py -s ${TESTS_K:+-k "$TESTS_K"} \
+    >"$OUT/tests.log" 2>&1
   echo "exit $?"
   grep -aE "rel error|moments:|device memory|passed|failed|FAILED|SKIPPED|Error" "$OUT/tests.log" | tail -30 | cut -c1-250
 fi

@@ -342,8 +342,8 @@ def qkv_rows(shape, micro):
 
     paths = [
         ("Megatron's passes (eager)", lambda m, b, r: layers.split_qkv(m, b, groups, d, r)),
-        ("split_qkv compiled (today)", lambda m, b, r: layers.split_qkv(m, b, groups, d, r, fused=True)),
-        ("compiled, coordinate descent tuning", formulation(layers._rotate, {"coordinate_descent_tuning": True})),
+        ("split_qkv compiled (today: tuned configs)", lambda m, b, r: layers.split_qkv(m, b, groups, d, r, fused=True)),
+        ("compiled, default launch configs", formulation(layers._rotate)),
         ("compiled, rotation via [2, d/2] view", formulation(split_rotate_halves)),
         ("compiled, all sizes dynamic", formulation(layers._rotate, dynamic=True)),
         ("three compiled functions", separate),
