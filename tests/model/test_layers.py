@@ -238,7 +238,7 @@ def test_fused_qkv_split_is_megatrons_split_then_rope(extra):
     worker.init_model()
     try:
         attn = worker.state.model[0].module.decoder.layers[0].self_attention
-        assert isinstance(attn, FusedQKVSelfAttention) and attn.split_here
+        assert isinstance(attn, FusedQKVSelfAttention)
         assert attn.linear_qkv.skip_bias_add  # the bias is added by the split
         torch.manual_seed(0)
         with torch.no_grad():

@@ -279,17 +279,19 @@ class FusedQKVSelfAttention(SelfAttention):
     micro-batches keep Megatron's RoPE, applied after this split.
 
     The projection then runs without its bias (``skip_bias_add``: the same parameter, added here), and so
-    does its bias gradient: the split's backward gives it. Where Megatron gathers query groups over tensor-
-    parallel ranks (fewer groups than ranks), the split stays Megatron's and only RoPE is ours. Qwen3's
-    query / key norms come before RoPE, so with them the split and RoPE are two passes.
+    does its bias gradient: the split's backward gives it. Each tensor-parallel rank holds whole query groups
+    (config validation: TP divides model.num_key_value_heads), so Megatron's gather of groups split over ranks
+    is never needed. Qwen3's query / key norms come before RoPE, so with them the split and RoPE are two passes.
     """
 
     def __init__(self, config, submodules, layer_number, attn_mask_type, fused: bool = False, **kwargs):
         super().__init__(config, submodules, layer_number, attn_mask_type, **kwargs)
+        if config.num_query_groups % self.world_size:
+            raise ValueError(f"{config.num_query_groups} query groups do not divide over {self.world_size} "
+                             "tensor-parallel ranks")
         self.fused = fused and not config.use_cpu_initialization
-        self.split_here = config.num_query_groups >= self.world_size
         self.qk_norm = not (self.q_layernorm is None or isinstance(self.q_layernorm, IdentityOp))
-        self.linear_qkv.skip_bias_add = self.split_here
+        self.linear_qkv.skip_bias_add = True
         self._rotary = None  # the running call's (cos, sin): get_query_key_value_tensors is called without it
 
     def forward(self, *args, packed_seq_params=None, **kwargs):
@@ -303,11 +305,6 @@ class FusedQKVSelfAttention(SelfAttention):
         if output_gate or not kwargs.get("split_qkv", True):
             raise ValueError("FusedQKVSelfAttention: gated attention and TE's fused QKV RoPE are not supported")
         rotary, fused = self._rotary, self.fused and hidden_states.is_cuda
-        if not self.split_here:
-            q, k, v = super().get_query_key_value_tensors(hidden_states, key_value_states)
-            if rotary is not None:
-                q, k = (x.unsqueeze(1) for x in apply_rotary(q.squeeze(1), k.squeeze(1), *rotary, fused=fused))
-            return q, k, v
         mixed, bias = self.linear_qkv(hidden_states)  # [s, b, groups * (heads / groups + 2) * d]
         s, b = mixed.shape[:2]
         q, k, v = split_qkv(mixed.view(s * b, -1), bias, self.num_query_groups_per_partition,
