@@ -13,7 +13,7 @@
 #   graph-ab   model.cuda_graphs at 0.5B, 1.5B and 3B, and 1.5B eager: both phases timed                ~6
 #   overlap    0.5B with graphs (also with glibc's malloc keeping freed memory), 0.5B and 1.5B eager   ~6
 #   host       where the host's time goes (cProfile) at 0.5B / 1.5B, and two 0.5B A/Bs (unfused, 32k budget) ~5
-#   qkv        bench/kernel_probe.py --only qkv at 1.5B and 3B (formulations of the compiled QKV split + RoPE) ~3
+#   qkv        bench/kernel_probe.py --only qkv,norm at 1.5B and 3B (QKV split + RoPE: Triton, compiled; RMSNorm) ~3
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
 #   kernels    bench/kernel_probe.py at 1.5B and 3B (RoPE, weight gradients, MLP with quack's fused SwiGLU) ~3
 #   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
@@ -136,8 +136,8 @@ fi
 if has qkv; then
   for shape in qwen2.5-1.5b qwen2.5-3b; do
     step "qkv split $shape"
-    timeout "$(left 150)" python3 bench/kernel_probe.py --shape $shape --only qkv >"$OUT/qkv-$shape.log" 2>&1
-    echo "exit $?"; grep -avE "Warning|warn" "$OUT/qkv-$shape.log" | tail -14 | cut -c1-220
+    timeout "$(left 150)" python3 bench/kernel_probe.py --shape $shape --only qkv,norm >"$OUT/qkv-$shape.log" 2>&1
+    echo "exit $?"; grep -avE "Warning|warn" "$OUT/qkv-$shape.log" | tail -24 | cut -c1-220
   done
 fi
 if has launch; then

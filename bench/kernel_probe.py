@@ -273,8 +273,8 @@ def mlp_rows(shape, micro):
 
 def qkv_rows(shape, micro):
     """The QKV projection's output to rotated q / k and v (FusedQKVSelfAttention): Megatron's passes (bias
-    add, split, query copy, RoPE) against one compiled function, in several formulations; forward alone and
-    forward + backward over all packs of one layer."""
+    add, split, query copy, RoPE) against our Triton kernels (several block shapes) and the compiled function
+    they replaced; forward alone and forward + backward over all packs of one layer."""
     from megacritic.model import layers
     heads, groups = shape["num_attention_heads"], shape["num_key_value_heads"]
     d = shape["hidden_size"] // heads
@@ -304,59 +304,87 @@ def qkv_rows(shape, micro):
             return outs
         return run
 
-    def split_rotate_halves(x, cos, sin):  # rotation through a [.., 2, d/2] view instead of chunk / cat
-        h = x.unflatten(-1, (2, -1))
-        rot = torch.stack([-h[..., 1, :], h[..., 0, :]], dim=-2).flatten(-2)
-        return x * cos + rot * sin
-
-    def formulation(rotate, options=None, dynamic=None):
+    def formulation(options=None):  # the split as one compiled function, token count dynamic (14b7c37)
         def split(mixed, b, cos, sin):
             x = (mixed.float() + b.float()).view(mixed.shape[0], groups, -1)
             q, k, v = x.split([x.shape[-1] - 2 * d, d, d], dim=-1)
             q = q.reshape(q.shape[0], -1, d)
             c, s = cos.float(), sin.float()
-            return rotate(q, c, s).to(mixed.dtype), rotate(k, c, s).to(mixed.dtype), v.to(mixed.dtype)
-        compiled = torch.compile(split, options=options, dynamic=dynamic)
+            return (layers._rotate(q, c, s).to(mixed.dtype), layers._rotate(k, c, s).to(mixed.dtype),
+                    v.to(mixed.dtype))
+        compiled = torch.compile(split, options=options)
 
         def call(mixed, b, rotary):
-            torch._dynamo.maybe_mark_dynamic(mixed, 0)
-            torch._dynamo.maybe_mark_dynamic(rotary[0], 0)
-            torch._dynamo.maybe_mark_dynamic(rotary[1], 0)
+            for x in (mixed, *rotary):
+                torch._dynamo.maybe_mark_dynamic(x, 0)
             return compiled(mixed, b, *rotary)
         return call
 
-    def separate(mixed, b, rotary):  # three compiled functions, one output each
-        return sep_q(mixed, b, *rotary), sep_k(mixed, b, *rotary), sep_v(mixed, b)
-
-    def _q(mixed, b, cos, sin):
-        x = (mixed.float() + b.float()).view(mixed.shape[0], groups, -1)[..., : -2 * d].reshape(mixed.shape[0], -1, d)
-        return layers._rotate(x, cos.float(), sin.float()).to(mixed.dtype)
-
-    def _k(mixed, b, cos, sin):
-        x = (mixed.float() + b.float()).view(mixed.shape[0], groups, -1)[..., -2 * d: -d]
-        return layers._rotate(x, cos.float(), sin.float()).to(mixed.dtype)
-
-    def _v(mixed, b):
-        return (mixed.float() + b.float()).view(mixed.shape[0], groups, -1)[..., -d:].to(mixed.dtype)
-    sep_q, sep_k, sep_v = (torch.compile(f, dynamic=True) for f in (_q, _k, _v))
-
+    from megacritic.model import qkv_kernel
+    today = (qkv_kernel.BLOCK_T, qkv_kernel.NUM_WARPS)
+    triton = lambda m, b, r: layers.split_qkv(m, b, groups, d, r, fused=True)  # noqa: E731
     paths = [
-        ("Megatron's passes (eager)", lambda m, b, r: layers.split_qkv(m, b, groups, d, r)),
-        ("split_qkv compiled (today: tuned configs)", lambda m, b, r: layers.split_qkv(m, b, groups, d, r, fused=True)),
-        ("compiled, default launch configs", formulation(layers._rotate)),
-        ("compiled, rotation via [2, d/2] view", formulation(split_rotate_halves)),
-        ("compiled, all sizes dynamic", formulation(layers._rotate, dynamic=True)),
-        ("three compiled functions", separate),
+        ("Megatron's passes (eager)", lambda m, b, r: layers.split_qkv(m, b, groups, d, r), None),
+        (f"Triton kernels, {today[0]} tokens, {today[1]} warps (today)", triton, today),
+        *((f"Triton kernels, {blk} tokens, {warps} warps", triton, (blk, warps))
+          for blk, warps in [(32, 4), (64, 4), (128, 8)] if (blk, warps) != today),
+        ("compiled, tuned configs (14b7c37)", formulation({"coordinate_descent_tuning": True}), None),
+        ("compiled, default launch configs", formulation(), None),
     ]
     ref = variant(paths[0][1])(False)
     rows = []
-    for name, fn in paths:
+    for name, fn, config in paths:
+        qkv_kernel.BLOCK_T, qkv_kernel.NUM_WARPS = config or today  # read at each launch, forward and backward
         run = variant(fn)
         try:
             out = run(True)
             diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, out))
             rows += [("qkv split + RoPE, forward", name, timed(lambda: run(False)), diff),
                      ("qkv split + RoPE, fwd + bwd", name, timed(lambda: run(True)), diff)]
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        for row in rows[-2:]:
+            print(f"{row[0]:30} {row[1]:45} {row[2] * 1e3:9.3f} {row[3]:9.2e}", flush=True)
+    qkv_kernel.BLOCK_T, qkv_kernel.NUM_WARPS = today
+    return rows
+
+
+def norm_rows(shape, micro):
+    """RMSNorm of the hidden states (two per layer), forward and forward + backward over all packs of one
+    layer: eager, compiled with every size symbolic (before), compiled with the token count dynamic and tuned
+    launch configs (today), and quack's CuTe kernel where it imports (it scales in float32 before rounding,
+    eager rounds the normalised value first: not the same arithmetic)."""
+    from megacritic.model import layers
+    h = shape["hidden_size"]
+    data = [torch.randn(sum(lens), h, device="cuda", dtype=torch.bfloat16, requires_grad=True) for lens in micro]
+    weight = (1 + 0.1 * torch.randn(h, device="cuda")).bfloat16().requires_grad_()
+    symbolic = torch.compile(layers._rms_norm, dynamic=True)
+    tuned = torch.compile(layers._rms_norm, options={"coordinate_descent_tuning": True})
+
+    def token_dynamic(x, w, eps):
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+        return tuned(x, w, eps)
+    paths = [("eager", layers._rms_norm), ("compiled, all sizes symbolic (before)", symbolic),
+             ("compiled, tokens dynamic, tuned (today)", token_dynamic)]
+    try:
+        from quack.rmsnorm import rmsnorm as quack_rmsnorm
+        paths.append(("quack rmsnorm", lambda x, w, eps: quack_rmsnorm(x, w, eps=eps)))
+    except Exception as e:  # noqa: BLE001 - not in this environment
+        print(f"quack rmsnorm: {type(e).__name__}: {str(e)[:200]}")
+    grads = [torch.randn_like(x) for x in data]
+    ref = [layers._rms_norm(x, weight, 1e-6).detach() for x in data]
+    rows = []
+    for name, fn in paths:
+        def run(backward):
+            outs = [fn(x, weight, 1e-6) for x in data]
+            if backward:
+                torch.autograd.backward(outs, grads)
+            return outs
+        try:
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, run(True)))
+            rows += [("RMSNorm, forward", name, timed(lambda: run(False)), diff),
+                     ("RMSNorm, fwd + bwd", name, timed(lambda: run(True)), diff)]
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -369,15 +397,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=[s for s in SHAPES if s != "tiny"])
     parser.add_argument("--budget", type=int, default=16384)
-    parser.add_argument("--only", choices=["qkv"], help="only these rows")
+    parser.add_argument("--only", help="only these rows, comma-separated: qkv, norm")
     parser.add_argument("--cudnn", action="store_true",
                         help="also cuDNN attention (its ragged path is experimental in PyTorch: run it apart)")
     args = parser.parse_args()
     shape, micro = SHAPES[args.shape], packs(args.budget)
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}; "
           f"{args.shape}: {len(micro)} packs, {sum(map(sum, micro))} tokens")
-    if args.only == "qkv":
-        qkv_rows(shape, micro)
+    if args.only:
+        for part in args.only.split(","):
+            {"qkv": qkv_rows, "norm": norm_rows}[part](shape, micro)
         return
     rows = mlp_rows(shape, micro) + rope_rows(shape, micro) + wgrad_rows(shape, micro) + attention_rows(
         shape, micro, args.cudnn)

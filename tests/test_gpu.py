@@ -471,8 +471,8 @@ def test_compiled_rope_matches_float64_rotation():
 
 
 @pytest.mark.parametrize("rotate,bias", [(True, True), (True, False), (False, True)])
-def test_compiled_qkv_split_matches_float64(rotate, bias):
-    """The compiled bias + split into heads + RoPE of FusedQKVSelfAttention (float32 inside, one rounding)
+def test_fused_qkv_split_matches_float64(rotate, bias):
+    """The Triton bias + split into heads + RoPE of FusedQKVSelfAttention (float32 inside, one rounding)
     against the same steps in float64, forward and backward (the bias gradient included), in bf16: within
     bf16 rounding of the inputs."""
     from megacritic.model.layers import split_qkv
@@ -493,14 +493,16 @@ def test_compiled_qkv_split_matches_float64(rotate, bias):
     md = mixed.detach().double().requires_grad_()
     bd = b.detach().double().requires_grad_() if bias else None
     refs = split_qkv(md, bd, groups, d, tuple(x.double() for x in rotary) if rotate else None)
-    for got, want in zip(outs, refs):
-        assert got.dtype == torch.bfloat16 and _rel(got.detach(), want.detach()) < 4e-3
     grads = [torch.randn_like(x) for x in outs]
     torch.autograd.backward(list(outs), grads)
     torch.autograd.backward(list(refs), [g.double() for g in grads])
-    assert _rel(mixed.grad, md.grad) < 4e-3
-    if bias:
-        assert _rel(b.grad, bd.grad) < 4e-3
+    got = [x.detach() for x in outs] + [mixed.grad] + ([b.grad] if bias else [])
+    want = [x.detach() for x in refs] + [md.grad] + ([bd.grad] if bias else [])
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16 and _rel(g, w) < 4e-3
+        # Rounded once: the float64 result rounded to bf16, but for the rare value whose float32 arithmetic
+        # lands across a rounding boundary.
+        assert (g == w.bfloat16()).float().mean() > 0.99
 
 
 def test_weight_gradient_accumulates_in_the_gemm():

@@ -4,7 +4,7 @@ core attention, RMSNorm, value head.
 Why our own:
 * ``FusedQKVSelfAttention``: Megatron's SelfAttention adds the QKV projection's bias in a broadcast pass
   of its own, copies the queries out of the projection's interleaved layout and rotates them in more
-  passes; ours does bias, split and (packed micro-batches) RoPE as one compiled kernel each way on GPU.
+  passes; ours does bias, split and (packed micro-batches) RoPE as one Triton kernel each way on GPU.
 * ``CoreAttention``: Megatron's local ``DotProductAttention`` materialises the full score matrix; without
   Transformer Engine it measured 3.8x slower with 4.5x the memory of SDPA on an H200 (design notes).
   Megatron's context parallelism also lives in Transformer Engine's attention, so ours provides it.
@@ -240,35 +240,14 @@ def _split_qkv(mixed: Tensor, bias: Tensor | None, groups: int, d: int,
     return q, k, v
 
 
-@functools.cache
-def _compiled_split_qkv(groups: int, d: int):
-    # Only the token count varies (marked dynamic at each call); the head layout is fixed per model, so
-    # the kernels index with constants instead of symbolic sizes.
-    # One kernel each way for the three outputs (and the bias gradient) instead of the broadcast bias add
-    # (a strided, unvectorised kernel), the copy of the queries out of the interleaved layout and RoPE's
-    # passes; computed in float32 and rounded once. Coordinate-descent tuning of the kernels' launch
-    # configs measured 5.35 -> 3.21 ms forward + backward per 1.5B layer over an update's packs, sizes all
-    # symbolic 11.8 (bench/NOTES.md).
-    def split(mixed, bias, cos, sin):
-        x = mixed.float() if bias is None else mixed.float() + bias.float()
-        x = x.view(x.shape[0], groups, -1)
-        q, k, v = x.split([x.shape[-1] - 2 * d, d, d], dim=-1)
-        q = q.reshape(q.shape[0], -1, d)
-        if cos is not None:
-            q, k = _rotate_qk(q, k, cos.float(), sin.float())
-        return q.to(mixed.dtype), k.to(mixed.dtype), v.to(mixed.dtype)
-    return torch.compile(split, options={"coordinate_descent_tuning": True})
-
-
 def split_qkv(mixed: Tensor, bias: Tensor | None, groups: int, d: int, rotary: tuple[Tensor, Tensor] | None = None,
               fused: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_split_qkv`; ``fused`` (CUDA): one compiled kernel, float32 inside, contiguous outputs."""
+    """:func:`_split_qkv`; ``fused`` (CUDA): one Triton kernel each way (:mod:`megacritic.model.qkv_kernel`),
+    float32 inside and rounded once, contiguous outputs."""
     if fused:
-        cos, sin = rotary if rotary is not None else (None, None)
-        for x in (mixed, cos, sin):
-            if x is not None:
-                torch._dynamo.maybe_mark_dynamic(x, 0)
-        return _compiled_split_qkv(groups, d)(mixed, bias, cos, sin)
+        from megacritic.model import qkv_kernel  # Triton: imported where it runs
+
+        return qkv_kernel.split_qkv(mixed, bias, groups, d, rotary)
     return _split_qkv(mixed, bias, groups, d, rotary)
 
 
@@ -323,9 +302,11 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 @functools.cache
 def _compiled_rms_norm():
-    # One kernel each way instead of eager's cast / norm / cast / scale passes; dynamic shapes, as
-    # packed micro-batches change length every call.
-    return torch.compile(_rms_norm, dynamic=True)
+    # One kernel each way instead of eager's cast / norm / cast / scale passes. Only the token count varies
+    # (marked dynamic at each call: packs change length every call); the hidden size is a constant of the
+    # kernels, whose launch configs are tuned, as for the QKV split before its Triton kernel, where all sizes
+    # symbolic measured 3.7x slower than this (bench/NOTES.md).
+    return torch.compile(_rms_norm, options={"coordinate_descent_tuning": True})
 
 
 class RMSNorm(torch.nn.Module):
@@ -347,7 +328,9 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused and x.is_cuda:
             # As [tokens, hidden]: guards on the stride of a size-1 batch dimension would recompile per length.
-            return _compiled_rms_norm()(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            rows = x.reshape(-1, x.shape[-1])
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
+            return _compiled_rms_norm()(rows, self.weight, self.eps).view(x.shape)
         return _rms_norm(x, self.weight, self.eps)
 
 

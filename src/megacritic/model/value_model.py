@@ -167,7 +167,7 @@ def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused:
                attention_impl: str = "auto") -> ModuleSpec:
     """A Llama / Qwen2 / Qwen3 decoder layer built from Megatron modules, with our attention and norm
     (also over each query and key head with ``qk_layernorm``); ``moe`` replaces the dense MLP; ``fused``:
-    compiled norms and QKV split / RoPE on GPU; ``attention_impl``: model.attention_impl."""
+    compiled norms and the Triton QKV split / RoPE on GPU; ``attention_impl``: model.attention_impl."""
     norm = norm_spec(fused)
     qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
