@@ -14,6 +14,7 @@
 #   overlap    0.5B with graphs (also with glibc's malloc keeping freed memory), 0.5B and 1.5B eager   ~6
 #   host       where the host's time goes (cProfile) at 0.5B / 1.5B, and two 0.5B A/Bs (unfused, 32k budget) ~5
 #   qkv        bench/kernel_probe.py --only qkv,norm at 1.5B and 3B (QKV split + RoPE: Triton, compiled; RMSNorm) ~3
+#   norm       bench/kernel_probe.py --only norm at 1.5B and 3B (RMSNorm: compiled, liger, quack)         ~1.5
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
 #   kernels    bench/kernel_probe.py at 1.5B and 3B (RoPE, weight gradients, MLP with quack's fused SwiGLU) ~3
 #   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
@@ -138,6 +139,13 @@ if has qkv; then
     step "qkv split $shape"
     timeout "$(left 150)" python3 bench/kernel_probe.py --shape $shape --only qkv,norm >"$OUT/qkv-$shape.log" 2>&1
     echo "exit $?"; grep -avE "Warning|warn" "$OUT/qkv-$shape.log" | tail -24 | cut -c1-220
+  done
+fi
+if has norm; then
+  for shape in qwen2.5-1.5b qwen2.5-3b; do
+    step "RMSNorm $shape"
+    timeout "$(left 120)" python3 bench/kernel_probe.py --shape $shape --only norm >"$OUT/norm-$shape.log" 2>&1
+    echo "exit $?"; grep -avE "Warning|warn" "$OUT/norm-$shape.log" | tail -20 | cut -c1-220
   done
 fi
 if has launch; then

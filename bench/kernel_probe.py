@@ -350,6 +350,10 @@ def qkv_rows(shape, micro):
     return rows
 
 
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
 def norm_rows(shape, micro):
     """RMSNorm of the hidden states (two per layer), forward and forward + backward over all packs of one
     layer: eager, compiled with every size symbolic (before), compiled with the token count dynamic and tuned
@@ -360,20 +364,34 @@ def norm_rows(shape, micro):
     data = [torch.randn(sum(lens), h, device="cuda", dtype=torch.bfloat16, requires_grad=True) for lens in micro]
     weight = (1 + 0.1 * torch.randn(h, device="cuda")).bfloat16().requires_grad_()
     symbolic = torch.compile(layers._rms_norm, dynamic=True)
-    tuned = torch.compile(layers._rms_norm, options={"coordinate_descent_tuning": True})
 
-    def token_dynamic(x, w, eps):
-        torch._dynamo.maybe_mark_dynamic(x, 0)
-        return tuned(x, w, eps)
-    paths = [("eager", layers._rms_norm), ("compiled, all sizes symbolic (before)", symbolic),
-             ("compiled, tokens dynamic, tuned (today)", token_dynamic)]
+    def token_dynamic(options):
+        compiled = torch.compile(layers._rms_norm, options=options)
+
+        def call(x, w, eps):
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            return compiled(x, w, eps)
+        return call
+    paths = [("eager", layers._rms_norm), ("compiled, all sizes symbolic (5c719b6)", symbolic),
+             ("compiled, tokens dynamic", token_dynamic(None)),
+             ("compiled, tokens dynamic, tuned", token_dynamic({"coordinate_descent_tuning": True}))]
+    if getattr(layers, "_liger_rms_norm", None) is not None:
+        paths.append(("layers.RMSNorm fused (today)", lambda x, w, eps: layers._liger_rms_norm(x, w, eps)))
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        paths.append(("liger, llama casting", lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)))
+    except Exception as e:  # noqa: BLE001 - not in this environment
+        print(f"liger rms_norm: {type(e).__name__}: {str(e)[:200]}")
     try:
         from quack.rmsnorm import rmsnorm as quack_rmsnorm
-        paths.append(("quack rmsnorm", lambda x, w, eps: quack_rmsnorm(x, w, eps=eps)))
+        paths.append(("quack (float32 scale, one rounding)", lambda x, w, eps: quack_rmsnorm(x, w, eps=eps)))
     except Exception as e:  # noqa: BLE001 - not in this environment
         print(f"quack rmsnorm: {type(e).__name__}: {str(e)[:200]}")
     grads = [torch.randn_like(x) for x in data]
     ref = [layers._rms_norm(x, weight, 1e-6).detach() for x in data]
+    torch.autograd.backward([layers._rms_norm(x, weight, 1e-6) for x in data], grads)
+    ref_grads = [x.grad.clone() for x in data] + [weight.grad.clone()]
+
     rows = []
     for name, fn in paths:
         def run(backward):
@@ -382,7 +400,15 @@ def norm_rows(shape, micro):
                 torch.autograd.backward(outs, grads)
             return outs
         try:
-            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, run(True)))
+            for x in (*data, weight):
+                x.grad = None
+            outs = run(True)
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, outs))
+            same = sum(torch.equal(a, b) for a, b in zip(ref, outs))
+            got = [x.grad for x in data] + [weight.grad]
+            print(f"{name}: outputs equal to eager's in {same} of {len(ref)} packs; input / weight gradient "
+                  f"rel. diff {max(_rel(a, b) for a, b in zip(got[:-1], ref_grads[:-1])):.2e} / "
+                  f"{_rel(got[-1], ref_grads[-1]):.2e}", flush=True)
             rows += [("RMSNorm, forward", name, timed(lambda: run(False)), diff),
                      ("RMSNorm, fwd + bwd", name, timed(lambda: run(True)), diff)]
         except Exception as e:  # noqa: BLE001 - report and go on

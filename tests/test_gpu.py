@@ -447,6 +447,48 @@ def test_fused_kernels_match_eager_in_float32():
     assert report["values after steps"] < 1e-3, report
 
 
+@pytest.mark.parametrize("liger", [True, False])
+def test_fused_rms_norm_is_the_eager_arithmetic(liger, monkeypatch):
+    """RMSNorm's fused paths (liger's Triton kernel where installed, else the compiled one) in bf16: outputs
+    are eager's (float32 statistics, normalised value rounded, then scaled by the weight) up to the rare
+    value whose statistics round differently; gradients within bf16 rounding of float64; and two runs give
+    the same bits (the weight gradient's partial sums in a fixed order)."""
+    from megacritic.config import MegatronConfig, tiny_model
+    from megacritic.model import layers
+    from megacritic.model.value_model import transformer_config
+    from megacritic.parallel import ParallelLayout
+
+    if liger and layers._liger_rms_norm_function() is None:
+        pytest.skip("liger-kernel is not installed")
+    if not liger:
+        monkeypatch.setattr(layers, "_liger_rms_norm_function", lambda: None)
+    config = transformer_config(tiny_model(), ParallelLayout.from_config(MegatronConfig(), world_size=1),
+                                dtype=torch.bfloat16, on_cpu=False)
+    h = 1536
+    norm = layers.RMSNorm(config, h, eps=1e-6, fused=True)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(h, device="cuda"))
+    x = (3 * torch.randn(4099, 1, h, device="cuda")).bfloat16()
+    dy = torch.randn(4099, 1, h, device="cuda").bfloat16()
+
+    def run(fn, inp, weight):
+        inp = inp.detach().requires_grad_()
+        weight.grad = None
+        out = fn(inp)
+        out.backward(dy.to(out.dtype))
+        return out.detach(), inp.grad, weight.grad.clone()
+
+    got = run(norm, x, norm.weight)
+    assert all(torch.equal(a, b) for a, b in zip(got, run(norm, x, norm.weight)))
+    eager = run(lambda t: layers._rms_norm(t, norm.weight, 1e-6), x, norm.weight)
+    assert (got[0] == eager[0]).float().mean() > 0.99
+    w64 = norm.weight.detach().double().requires_grad_()
+    exact = run(lambda t: w64 * torch.nn.functional.rms_norm(t, (h,), eps=1e-6), x.double(), w64)
+    for g, e, want in zip(got, eager, exact):
+        assert _rel(g, want) < 4e-3 and _rel(e, want) < 4e-3
+
+
 def test_compiled_rope_matches_float64_rotation():
     """The compiled RoPE of packed micro-batches (float32 inside, one rounding) against the rotation in
     float64, forward and backward, in bf16: within bf16 rounding of the inputs."""

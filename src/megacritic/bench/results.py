@@ -60,7 +60,7 @@ def environment() -> dict:
         except ImportError:
             fa4 = None
     return {"torch": torch.__version__, "megatron_core": version("megatron-core"), "flash_attn_4": fa4,
-            "triton": version("triton"),
+            "triton": version("triton"), "liger_kernel": version("liger-kernel"),
             "attention_auto": resolve_attention_impl("auto", torch.bfloat16, on_gpu=torch.cuda.is_available())}
 
 

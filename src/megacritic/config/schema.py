@@ -136,8 +136,9 @@ class ModelConfig:
     """Pack each micro-batch's rollouts into one sequence without padding (THD, varlen attention on GPU).
     False pads every rollout of a micro-batch to the longest one instead."""
     use_fused_kernels: bool = True
-    """On GPU: compiled RMSNorm (torch.compile), the QKV projection's bias, split into heads and RoPE as one
-    Triton kernel each way, Megatron's fused SwiGLU, the fused CUDA AdamW kernel and,
+    """On GPU: RMSNorm as liger-kernel's Triton kernel where installed, else compiled (torch.compile), the
+    QKV projection's bias, split into heads and RoPE as one Triton kernel each way, Megatron's fused SwiGLU,
+    the fused CUDA AdamW kernel and,
     for mixture-of-experts models in bf16, each expert projection as one grouped GEMM, instead of their
     eager / multi-tensor / per-expert versions (same arithmetic, fewer kernels and passes over memory;
     figures in bench/NOTES.md). No effect on CPU."""

@@ -302,17 +302,34 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 @functools.cache
 def _compiled_rms_norm():
-    # One kernel each way instead of eager's cast / norm / cast / scale passes. Only the token count varies
-    # (marked dynamic at each call: packs change length every call); the hidden size is a constant of the
-    # kernels, whose launch configs are tuned, as for the QKV split before its Triton kernel, where all sizes
-    # symbolic measured 3.7x slower than this (bench/NOTES.md).
-    return torch.compile(_rms_norm, options={"coordinate_descent_tuning": True})
+    # One kernel each way instead of eager's cast / norm / cast / scale passes; dynamic shapes, as packed
+    # micro-batches change length every call. (Launch configs tuned by timing them would pick the reduction's
+    # split anew at each compilation: results would then differ between runs.)
+    return torch.compile(_rms_norm, dynamic=True)
+
+
+@functools.cache
+def _liger_rms_norm_function():
+    """liger-kernel's RMSNorm (Triton), or None where it is not installed (the ``megacritic[hopper]`` extra)."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except Exception:  # noqa: BLE001 - not installed, or its Triton does not import: the compiled norm instead
+        return None
+    return LigerRMSNormFunction
+
+
+def _liger_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # "llama" casting is _rms_norm's arithmetic: float32 statistics, the normalised value rounded to the
+    # activations' dtype, then scaled by the weight; its weight gradient is summed per program in a fixed
+    # order. Not in place: the input gradient gets its own tensor instead of overwriting the output's.
+    return _liger_rms_norm_function().apply(x, weight, eps, 0.0, "llama", False)
 
 
 class RMSNorm(torch.nn.Module):
     """RMSNorm computed in float32 (as Llama / Qwen2 do), usable under sequence parallelism.
 
-    ``fused``: on CUDA, one compiled kernel (same arithmetic); eager elsewhere.
+    ``fused``: on CUDA, liger-kernel's Triton RMSNorm where it is installed, else one compiled kernel each
+    way (same arithmetic; bench/NOTES.md has their timings); eager elsewhere.
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, fused: bool = False, **unused):
@@ -329,8 +346,8 @@ class RMSNorm(torch.nn.Module):
         if self.fused and x.is_cuda:
             # As [tokens, hidden]: guards on the stride of a size-1 batch dimension would recompile per length.
             rows = x.reshape(-1, x.shape[-1])
-            torch._dynamo.maybe_mark_dynamic(rows, 0)
-            return _compiled_rms_norm()(rows, self.weight, self.eps).view(x.shape)
+            norm = _liger_rms_norm if _liger_rms_norm_function() is not None else _compiled_rms_norm()
+            return norm(rows, self.weight, self.eps).view(x.shape)
         return _rms_norm(x, self.weight, self.eps)
 
 
