@@ -51,6 +51,15 @@ def timed(fn, repeats=10) -> float:
     return statistics.median(times)
 
 
+def timed_pair(what: str, name: str, run, diff: float) -> list[tuple]:
+    """Forward alone (``run(False)``) and forward + backward (``run(True)``) of one path, timed and printed."""
+    rows = [(f"{what}, forward", name, timed(lambda: run(False)), diff),
+            (f"{what}, fwd + bwd", name, timed(lambda: run(True)), diff)]
+    for row in rows:
+        print(f"{row[0]:30} {row[1]:45} {row[2] * 1e3:9.3f} {row[3]:9.2e}", flush=True)
+    return rows
+
+
 def attention_rows(shape, micro, with_cudnn: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.varlen import varlen_attn
@@ -339,13 +348,9 @@ def qkv_rows(shape, micro):
         try:
             out = run(True)
             diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, out))
-            rows += [("qkv split + RoPE, forward", name, timed(lambda: run(False)), diff),
-                     ("qkv split + RoPE, fwd + bwd", name, timed(lambda: run(True)), diff)]
+            rows += timed_pair("qkv split + RoPE", name, run, diff)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        for row in rows[-2:]:
-            print(f"{row[0]:30} {row[1]:45} {row[2] * 1e3:9.3f} {row[3]:9.2e}", flush=True)
     qkv_kernel.BLOCK_T, qkv_kernel.NUM_WARPS = today
     return rows
 
@@ -356,9 +361,10 @@ def _rel(a, b) -> float:
 
 def norm_rows(shape, micro):
     """RMSNorm of the hidden states (two per layer), forward and forward + backward over all packs of one
-    layer: eager, compiled with every size symbolic (before), compiled with the token count dynamic and tuned
-    launch configs (today), and quack's CuTe kernel where it imports (it scales in float32 before rounding,
-    eager rounds the normalised value first: not the same arithmetic)."""
+    layer: eager, compiled (every size symbolic; the token count dynamic, with and without tuned launch
+    configs), layers.RMSNorm's fused path, liger's Triton kernel and quack's CuTe kernel where they import
+    (quack scales in float32 before rounding, eager rounds the normalised value first: not the same
+    arithmetic)."""
     from megacritic.model import layers
     h = shape["hidden_size"]
     data = [torch.randn(sum(lens), h, device="cuda", dtype=torch.bfloat16, requires_grad=True) for lens in micro]
@@ -409,13 +415,9 @@ def norm_rows(shape, micro):
             print(f"{name}: outputs equal to eager's in {same} of {len(ref)} packs; input / weight gradient "
                   f"rel. diff {max(_rel(a, b) for a, b in zip(got[:-1], ref_grads[:-1])):.2e} / "
                   f"{_rel(got[-1], ref_grads[-1]):.2e}", flush=True)
-            rows += [("RMSNorm, forward", name, timed(lambda: run(False)), diff),
-                     ("RMSNorm, fwd + bwd", name, timed(lambda: run(True)), diff)]
+            rows += timed_pair("RMSNorm", name, run, diff)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-            continue
-        for row in rows[-2:]:
-            print(f"{row[0]:30} {row[1]:45} {row[2] * 1e3:9.3f} {row[3]:9.2e}", flush=True)
     return rows
 
 

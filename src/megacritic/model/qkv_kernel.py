@@ -3,7 +3,7 @@ into heads and, for a packed micro-batch, queries and keys rotated (RoPE with ha
 Qwen2 and Megatron's unfused path), float32 inside and rounded once.
 
 Why by hand: the same function compiled by torch.compile (one fused kernel, launch configs tuned) moved its
-~122 MB per 1.5B pack at ~0.56 TB/s of the H200's ~3.3 (bench/NOTES.md, "Round 2, fourth session"): its
+~122 MB per 1.5B pack at ~0.56 TB/s on an H100 (bench/NOTES.md, "Round 2, fourth session"): its
 generated kernel walks the outputs and gathers each element's rotation partner from the interleaved
 projection. Here a program owns one head slot of a block of tokens and loads the slot's two halves as two
 coalesced tiles, so every byte is read and written once. The backward's bias gradient is summed per token
@@ -35,6 +35,29 @@ def _add(a, b):
 
 
 @triton.jit
+def _slot(q, k, v, rows, cols, g, j, groups, PER_GROUP: tl.constexpr, D: tl.constexpr):
+    """Where head slot j of group g lands for these rows: a query head of q, the group's k, or its v."""
+    if j == PER_GROUP + 1:
+        out = v + rows[:, None] * (groups * D) + g * D + cols[None, :]
+    elif j == PER_GROUP:
+        out = k + rows[:, None] * (groups * D) + g * D + cols[None, :]
+    else:
+        out = q + rows[:, None] * (groups * PER_GROUP * D) + (g * PER_GROUP + j) * D + cols[None, :]
+    return out
+
+
+@triton.jit
+def _cos_sin(cos, sin, rows, cols, mask, rot_stride, HALF: tl.constexpr):
+    """Both halves of these rows' cos and sin, float32."""
+    r = rows[:, None] * rot_stride + cols[None, :]
+    c1 = tl.load(cos + r, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + r + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin + r, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + r + HALF, mask=mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _forward(mixed, bias, cos, sin, q, k, v, t, mixed_stride, rot_stride,
              PER_GROUP: tl.constexpr, D: tl.constexpr, HALF_P2: tl.constexpr, HAS_BIAS: tl.constexpr,
              ROTATE: tl.constexpr, BLOCK: tl.constexpr):
@@ -51,24 +74,13 @@ def _forward(mixed, bias, cos, sin, q, k, v, t, mixed_stride, rot_stride,
     if HAS_BIAS:
         x1 += tl.load(bias + slot * D + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
         x2 += tl.load(bias + slot * D + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
-    if j == PER_GROUP + 1:  # the group's value: no rotation
-        dst = v + rows[:, None] * (groups * D) + g * D + cols[None, :]
-        y1, y2 = x1, x2
-    else:
-        if j == PER_GROUP:  # the group's key
-            dst = k + rows[:, None] * (groups * D) + g * D + cols[None, :]
-        else:
-            dst = q + rows[:, None] * (groups * PER_GROUP * D) + (g * PER_GROUP + j) * D + cols[None, :]
-        if ROTATE:
-            r = rows[:, None] * rot_stride + cols[None, :]
-            c1 = tl.load(cos + r, mask=mask, other=0.0).to(tl.float32)
-            c2 = tl.load(cos + r + HALF, mask=mask, other=0.0).to(tl.float32)
-            s1 = tl.load(sin + r, mask=mask, other=0.0).to(tl.float32)
-            s2 = tl.load(sin + r + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = _slot(q, k, v, rows, cols, g, j, groups, PER_GROUP, D)
+    y1, y2 = x1, x2
+    if ROTATE:
+        if j != PER_GROUP + 1:  # queries and the key; the value is not rotated
+            c1, c2, s1, s2 = _cos_sin(cos, sin, rows, cols, mask, rot_stride, HALF)
             y1 = x1 * c1 - x2 * s1  # x * cos + cat(-x2, x1) * sin
             y2 = x2 * c2 + x1 * s2
-        else:
-            y1, y2 = x1, x2
     tl.store(dst, y1.to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, y2.to(dst.dtype.element_ty), mask=mask)
 
@@ -85,27 +97,15 @@ def _backward(dq, dk, dv, cos, sin, dmixed, dbias_blocks, t, rot_stride,
     rows = (block * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     cols = tl.arange(0, HALF_P2)  # a power of two: tl.arange's; the columns past HALF are masked
     mask = (rows < t)[:, None] & (cols < HALF)[None, :]
-    if j == PER_GROUP + 1:
-        src = dv + rows[:, None] * (groups * D) + g * D + cols[None, :]
-        dx1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        dx2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    else:
-        if j == PER_GROUP:
-            src = dk + rows[:, None] * (groups * D) + g * D + cols[None, :]
-        else:
-            src = dq + rows[:, None] * (groups * PER_GROUP * D) + (g * PER_GROUP + j) * D + cols[None, :]
-        g1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        g2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        if ROTATE:  # the transpose of the rotation above
-            r = rows[:, None] * rot_stride + cols[None, :]
-            c1 = tl.load(cos + r, mask=mask, other=0.0).to(tl.float32)
-            c2 = tl.load(cos + r + HALF, mask=mask, other=0.0).to(tl.float32)
-            s1 = tl.load(sin + r, mask=mask, other=0.0).to(tl.float32)
-            s2 = tl.load(sin + r + HALF, mask=mask, other=0.0).to(tl.float32)
+    src = _slot(dq, dk, dv, rows, cols, g, j, groups, PER_GROUP, D)
+    dx1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    dx2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if ROTATE:
+        if j != PER_GROUP + 1:  # the transpose of the rotation above
+            c1, c2, s1, s2 = _cos_sin(cos, sin, rows, cols, mask, rot_stride, HALF)
+            g1, g2 = dx1, dx2
             dx1 = g1 * c1 + g2 * s2
             dx2 = g2 * c2 - g1 * s1
-        else:
-            dx1, dx2 = g1, g2
     dst = dmixed + rows[:, None] * (slots * D) + slot * D + cols[None, :]
     tl.store(dst, dx1.to(dmixed.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, dx2.to(dmixed.dtype.element_ty), mask=mask)
