@@ -51,12 +51,30 @@ def timed(fn, repeats=10) -> float:
     return statistics.median(times)
 
 
+def kernel_seconds(fn, repeats=3) -> float:
+    """The GPU's own time in ``fn``'s kernels (their durations summed, per call). A pack's norm or split is
+    ~10-50 us of GPU work, less than the host takes to launch it, so ``timed`` (wall time) measures the
+    launch path; in a step the GPU is busy with other layers meanwhile, and what it pays is this."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)) / repeats / 1e6
+
+
 def timed_pair(what: str, name: str, run, diff: float) -> list[tuple]:
-    """Forward alone (``run(False)``) and forward + backward (``run(True)``) of one path, timed and printed."""
-    rows = [(f"{what}, forward", name, timed(lambda: run(False)), diff),
-            (f"{what}, fwd + bwd", name, timed(lambda: run(True)), diff)]
-    for row in rows:
-        print(f"{row[0]:30} {row[1]:45} {row[2] * 1e3:9.3f} {row[3]:9.2e}", flush=True)
+    """Forward alone (``run(False)``) and forward + backward (``run(True)``) of one path: wall time (the host's
+    launches included) and the kernels' GPU time, printed."""
+    rows = []
+    for label, backward in ((f"{what}, forward", False), (f"{what}, fwd + bwd", True)):
+        wall, gpu = timed(lambda: run(backward)), kernel_seconds(lambda: run(backward))
+        rows.append((label, name, wall, diff))
+        print(f"{label:30} {name:45} {wall * 1e3:9.3f} {gpu * 1e3:9.3f} {diff:9.2e}", flush=True)
     return rows
 
 
@@ -433,6 +451,7 @@ def main():
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}; "
           f"{args.shape}: {len(micro)} packs, {sum(map(sum, micro))} tokens")
     if args.only:
+        print(f"{'what':30} {'path':45} {'wall ms':>9} {'GPU ms':>9} {'max diff':>9}")
         for part in args.only.split(","):
             {"qkv": qkv_rows, "norm": norm_rows}[part](shape, micro)
         return
