@@ -399,11 +399,11 @@ def norm_rows(shape, micro):
     paths = [("eager", layers._rms_norm), ("compiled, all sizes symbolic (5c719b6)", symbolic),
              ("compiled, tokens dynamic", token_dynamic(None)),
              ("compiled, tokens dynamic, tuned", token_dynamic({"coordinate_descent_tuning": True}))]
-    if getattr(layers, "_liger_rms_norm", None) is not None:
-        paths.append(("layers.RMSNorm fused (today)", lambda x, w, eps: layers._liger_rms_norm(x, w, eps)))
+    paths.append(("layers.fused_rms_norm (what the layer runs here)", layers.fused_rms_norm))
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-        paths.append(("liger, llama casting", lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)))
+        paths.append(("liger, llama casting",
+                      lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)))
     except Exception as e:  # noqa: BLE001 - not in this environment
         print(f"liger rms_norm: {type(e).__name__}: {str(e)[:200]}")
     try:

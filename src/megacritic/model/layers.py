@@ -320,11 +320,16 @@ def _liger_rms_norm_function():
     return LigerRMSNormFunction
 
 
-def _liger_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """:func:`_rms_norm` of CUDA rows [tokens, hidden] as one kernel each way: liger's where installed, else
+    the compiled one."""
+    liger = _liger_rms_norm_function()
+    if liger is None:
+        return _compiled_rms_norm()(x, weight, eps)
     # "llama" casting is _rms_norm's arithmetic: float32 statistics, the normalised value rounded to the
     # activations' dtype, then scaled by the weight; its weight gradient is summed per program in a fixed
     # order. Not in place: the input gradient gets its own tensor instead of overwriting the output's.
-    return _liger_rms_norm_function().apply(x, weight, eps, 0.0, "llama", False)
+    return liger.apply(x, weight, eps, 0.0, "llama", False)
 
 
 class RMSNorm(torch.nn.Module):
@@ -347,9 +352,7 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fused and x.is_cuda:
             # As [tokens, hidden]: guards on the stride of a size-1 batch dimension would recompile per length.
-            rows = x.reshape(-1, x.shape[-1])
-            norm = _liger_rms_norm if _liger_rms_norm_function() is not None else _compiled_rms_norm()
-            return norm(rows, self.weight, self.eps).view(x.shape)
+            return fused_rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         return _rms_norm(x, self.weight, self.eps)
 
 

@@ -58,7 +58,7 @@ def _cos_sin(cos, sin, rows, cols, mask, rot_stride, HALF: tl.constexpr):
 
 
 @triton.jit
-def _forward(mixed, bias, cos, sin, q, k, v, t, mixed_stride, rot_stride,
+def _qkv_split_forward(mixed, bias, cos, sin, q, k, v, t, mixed_stride, rot_stride,
              PER_GROUP: tl.constexpr, D: tl.constexpr, HALF_P2: tl.constexpr, HAS_BIAS: tl.constexpr,
              ROTATE: tl.constexpr, BLOCK: tl.constexpr):
     block, slot = tl.program_id(0), tl.program_id(1)  # slot: group * (PER_GROUP + 2) + head in group
@@ -86,7 +86,7 @@ def _forward(mixed, bias, cos, sin, q, k, v, t, mixed_stride, rot_stride,
 
 
 @triton.jit
-def _backward(dq, dk, dv, cos, sin, dmixed, dbias_blocks, t, rot_stride,
+def _qkv_split_backward(dq, dk, dv, cos, sin, dmixed, dbias_blocks, t, rot_stride,
               PER_GROUP: tl.constexpr, D: tl.constexpr, HALF_P2: tl.constexpr, HAS_BIAS: tl.constexpr,
               ROTATE: tl.constexpr, BLOCK: tl.constexpr):
     block, slot = tl.program_id(0), tl.program_id(1)
@@ -136,7 +136,7 @@ class SplitQKV(torch.autograd.Function):
         q = mixed.new_empty(t, groups * per_group, d)
         k, v = mixed.new_empty(t, groups, d), mixed.new_empty(t, groups, d)
         if t:
-            _forward[(triton.cdiv(t, BLOCK_T), groups * (per_group + 2))](
+            _qkv_split_forward[(triton.cdiv(t, BLOCK_T), groups * (per_group + 2))](
                 mixed, bias, cos, sin, q, k, v, t, mixed.stride(0), d,
                 PER_GROUP=per_group, D=d, HALF_P2=triton.next_power_of_2(d // 2), HAS_BIAS=bias is not None,
                 ROTATE=cos is not None, BLOCK=BLOCK_T, num_warps=NUM_WARPS)
@@ -154,7 +154,7 @@ class SplitQKV(torch.autograd.Function):
         blocks = triton.cdiv(t, BLOCK_T)
         dbias = None if bias_dtype is None else torch.empty(blocks, slots * d, dtype=torch.float32, device=dq.device)
         if t:
-            _backward[(blocks, slots)](
+            _qkv_split_backward[(blocks, slots)](
                 dq, dk, dv, cos, sin, dmixed, dbias, t, d,
                 PER_GROUP=per_group, D=d, HALF_P2=triton.next_power_of_2(d // 2), HAS_BIAS=dbias is not None,
                 ROTATE=cos is not None, BLOCK=BLOCK_T, num_warps=NUM_WARPS)
