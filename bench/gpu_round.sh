@@ -15,7 +15,7 @@
 #   host       where the host's time goes (cProfile) at 0.5B / 1.5B, and two 0.5B A/Bs (unfused, 32k budget) ~5
 #   qkv        bench/kernel_probe.py --only qkv,norm at 1.5B and 3B (QKV split + RoPE: Triton, compiled; RMSNorm) ~3
 #   norm       bench/kernel_probe.py --only norm at 1.5B and 3B (RMSNorm: compiled, liger, quack)         ~1.5
-#   multiple   0.5B with graphs, packs padded to multiples of 1,024 / 256 / 128 tokens: both phases timed ~7
+#   multiple   0.5B with graphs, packs padded to multiples of 1,024 / 256 / 128 (MULTIPLES): both phases timed ~7
 #   multiple15 1.5B with graphs at a multiple of 128 tokens against 1.5B eager: both phases timed            ~6
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
 #   kernels    bench/kernel_probe.py at 1.5B and 3B (RoPE, weight gradients, MLP with quack's fused SwiGLU) ~3
@@ -113,7 +113,7 @@ if has overlap2; then
   hostrun ov-3b-eager 140 --shape qwen2.5-3b --phase both --calls 3 --no-torch-profile
 fi
 if has multiple; then  # the padding the graphs compute against the lengths they capture (one process each)
-  for m in 1024 256 128; do  # every length of a mode is captured at its first use: 16 / 64 / 128 of them
+  for m in ${MULTIPLES:-1024 256 128}; do  # every length of a mode is captured at its first use: 16 / 64 / 128 of them
     hostrun multiple-05b-$m $(( m == 1024 ? 100 : m == 256 ? 130 : 170 )) --shape qwen2.5-0.5b --phase both --calls 4 --no-torch-profile model.cuda_graphs=true \
       model.cuda_graph_pack_multiple=$m
   done
