@@ -120,8 +120,11 @@ class _TrainGraphs:
     def __init__(self, owner: "DecoderGraphs", hidden: Tensor, pack: Pack, kwargs: dict):
         self.owner = owner
         buffers = owner.buffers(True, hidden, pack)
+        n = hidden.shape[0]
         self.static = _Static.like(hidden, pack, buffers, requires_grad=True)
-        self.grad_out = buffers["grad_out"][: hidden.shape[0]]
+        self.grad_out = buffers["grad_out"][:n]
+        # what leaves the graphs is written to the mode's shared buffers, not kept in the pool per length
+        out, grad_in = buffers["out"][:n], buffers["grad_in"][:n]
         params = [p for p in owner.decoder.parameters() if p.requires_grad]
         fused = owner.fused_weights()
         # The parameters whose gradients leave the graph (the fused weights' stay inside it, in main_grad).
@@ -136,21 +139,23 @@ class _TrainGraphs:
             with owner.using(fresh):
                 self.out = owner.eager(hidden_states=self.static.hidden, attention_mask=None,
                                        packed_seq_params=pack, **kwargs)
-            return self.out
+            return out.copy_(self.out.detach())
 
         def backward():
-            return torch.autograd.grad(self.out, [self.static.hidden, *leaves], grad_outputs=self.grad_out,
-                                       allow_unused=True)
+            grads = torch.autograd.grad(self.out, [self.static.hidden, *leaves], grad_outputs=self.grad_out,
+                                        allow_unused=True)
+            return (grad_in.copy_(grads[0]), *grads[1:])
 
-        with owner.main_grads_kept():
-            with owner.on_side_stream():
-                for _ in range(WARMUP_ITERATIONS):
-                    forward()
-                    self.grad_out.normal_()
-                    backward()
-                self.out = None
-            self.static_out = self.fwd.capture(forward)
-            self.grads = self.bwd.capture(backward)
+        # the caller keeps main_grad as it was (the warm-up's backwards add to it)
+        with owner.on_side_stream():
+            for _ in range(WARMUP_ITERATIONS):
+                forward()
+                self.grad_out.normal_()
+                backward()
+            self.out = None
+        self.static_out = self.fwd.capture(forward)
+        self.grads = self.bwd.capture(backward)
+        self.out = None  # the forward's own output and what autograd saved: pool memory the next capture reuses
 
     def __call__(self, hidden: Tensor, pack: Pack) -> Tensor:
         self.static.fill(hidden, pack)
@@ -184,13 +189,15 @@ class _ForwardGraph:
     """The decoder's forward at one shape, without autograd (compute_values)."""
 
     def __init__(self, owner: "DecoderGraphs", hidden: Tensor, pack: Pack, kwargs: dict):
-        self.static = _Static.like(hidden, pack, owner.buffers(False, hidden, pack), requires_grad=False)
+        buffers = owner.buffers(False, hidden, pack)
+        self.static = _Static.like(hidden, pack, buffers, requires_grad=False)
         self.graph = owner.new_graph(grad=False)
         static_pack = self.static.pack()
+        out = buffers["out"][: hidden.shape[0]]
 
         def forward():
-            return owner.eager(hidden_states=self.static.hidden, attention_mask=None,
-                               packed_seq_params=static_pack, **kwargs)
+            return out.copy_(owner.eager(hidden_states=self.static.hidden, attention_mask=None,
+                                         packed_seq_params=static_pack, **kwargs))
 
         with torch.no_grad(), owner.on_side_stream():
             for _ in range(WARMUP_ITERATIONS):
@@ -247,19 +254,28 @@ class DecoderGraphs:
             log.info("model.cuda_graphs: the decoder's parameters or gradient buffers moved; capturing again")
             self.reset()
         if key not in self.graphs:
-            first = not any(mode == train for mode, _ in self.graphs)
-            lengths = sorted(set(self.lengths.get(train, [])) | {key[1]}) if first else [key[1]]
-            what = "forward and backward" if train else "forward"
-            log.info("model.cuda_graphs: capturing the decoder's %s at %d pack length(s) up to %d tokens", what,
-                     len(lengths), lengths[-1])
-            start = time.perf_counter()
-            for n in lengths:
-                hidden, pack = (hidden_states, packed_seq_params) if n == key[1] else self._example(hidden_states, n)
-                self.graphs[(train, n)] = (_TrainGraphs if train else _ForwardGraph)(self, hidden, pack, kwargs)
-            log.info("model.cuda_graphs: captured in %.1f s", time.perf_counter() - start)
-            self._addresses_at_capture = self._addresses()
+            self._capture(train, key[1], hidden_states, packed_seq_params, kwargs)
         self.replays += 1
         return self.graphs[key](hidden_states, packed_seq_params)
+
+    def _capture(self, train: bool, tokens: int, hidden_states: Tensor, pack: Pack, kwargs: dict) -> None:
+        """Capture the graphs of a new length; at a mode's first use, of every length it can make."""
+        first = not any(mode == train for mode, _ in self.graphs)
+        # longest first: each shorter capture then fits in the pool's blocks (a longer one would need new ones)
+        lengths = sorted(set(self.lengths.get(train, [])) | {tokens}, reverse=True) if first else [tokens]
+        what = "forward and backward" if train else "forward"
+        log.info("model.cuda_graphs: capturing the decoder's %s at %d pack length(s) up to %d tokens", what,
+                 len(lengths), lengths[0])
+        start = time.perf_counter()
+        reserved = torch.cuda.memory_reserved() if self.cuda else 0
+        with self.main_grads_kept() if train else contextlib.nullcontext():
+            for n in lengths:
+                hidden, example = (hidden_states, pack) if n == tokens else self._example(hidden_states, n)
+                self.graphs[(train, n)] = (_TrainGraphs if train else _ForwardGraph)(self, hidden, example, kwargs)
+        grown = ((torch.cuda.memory_reserved() - reserved) / 2**30) if self.cuda else 0.0
+        log.info("model.cuda_graphs: captured in %.1f s; device memory reserved %+.1f GiB", time.perf_counter() - start,
+                 grown)
+        self._addresses_at_capture = self._addresses()
 
     def reset(self) -> None:
         """Drop every graph (and their memory): the next calls capture again."""
@@ -294,9 +310,10 @@ class DecoderGraphs:
         if kept is None or kept["hidden"].shape[0] < n:
             longest = max([n, *self.lengths.get(train, [])])
             cos = pack.rotary[0]
+            like = hidden.new_empty(longest, *hidden.shape[1:])
             kept = self._buffers[train] = {
-                "hidden": hidden.new_empty(longest, *hidden.shape[1:]),
-                "grad_out": hidden.new_empty(longest, *hidden.shape[1:]),
+                "hidden": like, "out": torch.empty_like(like),
+                **({"grad_out": torch.empty_like(like), "grad_in": torch.empty_like(like)} if train else {}),
                 "cos": cos.new_empty(longest, *cos.shape[1:]), "sin": cos.new_empty(longest, *cos.shape[1:])}
         return kept
 
