@@ -20,6 +20,7 @@
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
 #   kernels    bench/kernel_probe.py at 1.5B and 3B (RoPE, weight gradients, MLP with quack's fused SwiGLU) ~3
 #   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
+#   phase=NAME bench/profile_phase.py with the arguments after COMMIT (NAME.log), e.g. one shape's profile
 # Parts run in this order and combine with commas (e.g. big,small); the command stops at BUDGET seconds
 # (480), and a bench part cut short keeps the systems it finished. The parts' results (OUT_DIR/part-*.json)
 # merge on any machine, refusing parts of another commit or environment:
@@ -31,7 +32,7 @@ set -u
 OUT=${1:?OUT_DIR}
 PARTS=${2:?PART[,PART...]}
 COMMIT=${3:?COMMIT}
-shift 3  # what is left: the arguments of a bench=NAME part
+shift 3  # what is left: the arguments of a bench=NAME or phase=NAME part
 START=$(date +%s)
 BUDGET=${BUDGET:-480}  # seconds this command may take from its start (the device call: 600 s with the machine start)
 left() { local l=$(( BUDGET - ($(date +%s) - START) )); echo $(( l < ${1:-100000} ? l : ${1:-100000} )); }
@@ -170,6 +171,8 @@ fi
 for part in ${PARTS//,/ }; do
   if [[ $part == bench=* ]]; then
     bench "${part#bench=}" 480 "$@"
+  elif [[ $part == phase=* ]]; then
+    hostrun "${part#phase=}" 480 "$@"
   fi
 done
 step done

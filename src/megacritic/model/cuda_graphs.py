@@ -146,15 +146,20 @@ class _TrainGraphs:
                                         allow_unused=True)
             return (grad_in.copy_(grads[0]), *grads[1:])
 
-        # the caller keeps main_grad as it was (the warm-up's backwards add to it)
-        with owner.on_side_stream():
+        self._forward, self._backward = forward, backward
+
+    def warm_up(self) -> None:
+        """Eager runs at this shape on the side stream (the caller keeps main_grad, which their backwards add to)."""
+        with self.owner.on_side_stream():
             for _ in range(WARMUP_ITERATIONS):
-                forward()
+                self._forward()
                 self.grad_out.normal_()
-                backward()
+                self._backward()
             self.out = None
-        self.static_out = self.fwd.capture(forward)
-        self.grads = self.bwd.capture(backward)
+
+    def capture(self) -> None:
+        self.static_out = self.fwd.capture(self._forward)
+        self.grads = self.bwd.capture(self._backward)
         self.out = None  # the forward's own output and what autograd saved: pool memory the next capture reuses
 
     def __call__(self, hidden: Tensor, pack: Pack) -> Tensor:
@@ -199,11 +204,16 @@ class _ForwardGraph:
             return out.copy_(owner.eager(hidden_states=self.static.hidden, attention_mask=None,
                                          packed_seq_params=static_pack, **kwargs))
 
-        with torch.no_grad(), owner.on_side_stream():
+        self._forward, self._owner = forward, owner
+
+    def warm_up(self) -> None:
+        with torch.no_grad(), self._owner.on_side_stream():
             for _ in range(WARMUP_ITERATIONS):
-                forward()
+                self._forward()
+
+    def capture(self) -> None:
         with torch.no_grad():
-            self.out = self.graph.capture(forward)
+            self.out = self.graph.capture(self._forward)
 
     def __call__(self, hidden: Tensor, pack: Pack) -> Tensor:
         self.static.fill(hidden, pack)
@@ -268,10 +278,19 @@ class DecoderGraphs:
                  len(lengths), lengths[0])
         start = time.perf_counter()
         reserved = torch.cuda.memory_reserved() if self.cuda else 0
+        made = {}
         with self.main_grads_kept() if train else contextlib.nullcontext():
             for n in lengths:
                 hidden, example = (hidden_states, pack) if n == tokens else self._example(hidden_states, n)
-                self.graphs[(train, n)] = (_TrainGraphs if train else _ForwardGraph)(self, hidden, example, kwargs)
+                made[n] = (_TrainGraphs if train else _ForwardGraph)(self, hidden, example, kwargs)
+            # Every warm-up before any capture: a warm-up's activations are cached on the side stream, which the
+            # pool cannot use; each capture starts by emptying that cache, so a warm-up after a capture would
+            # hold a second copy of the activations beside the pool's (out of memory at 1.5B on an 80 GiB GPU).
+            for graphs in made.values():
+                graphs.warm_up()
+            for n, graphs in made.items():
+                graphs.capture()
+                self.graphs[(train, n)] = graphs
         grown = ((torch.cuda.memory_reserved() - reserved) / 2**30) if self.cuda else 0.0
         log.info("model.cuda_graphs: captured in %.1f s; device memory reserved %+.1f GiB", time.perf_counter() - start,
                  grown)
