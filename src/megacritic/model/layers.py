@@ -311,32 +311,30 @@ def _compiled_rms_norm():
 
 
 @functools.cache
-def _liger_rms_norm_function():
-    """liger-kernel's RMSNorm (Triton), or None where it is not installed (the ``megacritic[hopper]`` extra)."""
+def _norm_kernel():
+    """megacritic.model.norm_kernel (Triton), or None where Triton does not import (then the compiled norm)."""
     try:
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    except Exception:  # noqa: BLE001 - not installed, or its Triton does not import: the compiled norm instead
+        from megacritic.model import norm_kernel  # Triton: imported where it runs
+    except Exception:  # noqa: BLE001 - no Triton, or one that does not import here
         return None
-    return LigerRMSNormFunction
+    return norm_kernel
 
 
 def fused_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """:func:`_rms_norm` of CUDA rows [tokens, hidden] as one kernel each way: liger's where installed, else
-    the compiled one."""
-    liger = _liger_rms_norm_function()
-    if liger is None:
+    """:func:`_rms_norm` of CUDA rows [tokens, hidden] as one kernel each way, the same arithmetic: the
+    Triton kernels of :mod:`megacritic.model.norm_kernel`, else (no Triton, or a weight of another dtype than
+    the rows) the compiled norm."""
+    kernel = _norm_kernel()
+    if kernel is None or weight.dtype != x.dtype:
         return _compiled_rms_norm()(x, weight, eps)
-    # "llama" casting is _rms_norm's arithmetic: float32 statistics, the normalised value rounded to the
-    # activations' dtype, then scaled by the weight; its weight gradient is summed per program in a fixed
-    # order. Not in place: the input gradient gets its own tensor instead of overwriting the output's.
-    return liger.apply(x, weight, eps, 0.0, "llama", False)
+    return kernel.rms_norm(x, weight, eps)
 
 
 class RMSNorm(torch.nn.Module):
     """RMSNorm computed in float32 (as Llama / Qwen2 do), usable under sequence parallelism.
 
-    ``fused``: on CUDA, liger-kernel's Triton RMSNorm where it is installed, else one compiled kernel each
-    way (same arithmetic; bench/NOTES.md has their timings); eager elsewhere.
+    ``fused``: on CUDA, one Triton kernel each way (:func:`fused_rms_norm`: same arithmetic; bench/NOTES.md
+    has the timings); eager elsewhere.
     """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, fused: bool = False, **unused):
