@@ -102,7 +102,7 @@ KERNEL_KINDS = (  # first match wins; names of the kernels on the lent machine (
     ("AdamW (fused)", r"adam|Adam"),
     ("grad norm / scale (foreach)", r"multi_tensor|foreach|norm_kernel|lpnorm"),
     ("compiled kernels (RMSNorm, RoPE: Triton)", r"^triton_"),
-    ("RMSNorm (liger, Triton)", r"_rms_norm_(forward|backward)_kernel"),
+    ("RMSNorm (megacritic.model.norm_kernel, Triton)", r"_rms_norm_(forward|backward)"),
     ("QKV split + RoPE (megacritic.model.qkv_kernel, Triton)", r"_qkv_split_(forward|backward)"),
     ("embedding", r"embedding|indexSelect|index_select|indexing_backward|index_put"),
     ("reductions (sum, bias grads)", r"reduce_kernel|Reduce"),
