@@ -57,9 +57,11 @@ SHAPE_SWITCHES = {"qwen2.5-7b": ["optim.exp_avg_dtype=bfloat16", "optim.exp_avg_
 SHAPE_SYSTEMS = {"qwen2.5-7b": ("megacritic-packed",)}
 # megacritic-packed's own switches at a shape: at 0.5B the eager step is bound by the host (~1 s of host time
 # for ~0.46 s of GPU time per update), and the decoder replayed as CUDA graphs over packs padded to a multiple
-# of 1,024 tokens measured 0.53 s against 0.92-1.01 s per update (bench/NOTES.md); at 1.5B it measured the same
-# as eager (the step is bound by the GPU there), and at 3B its graph memory does not fit beside the state.
-PACKED_SWITCHES = {"qwen2.5-0.5b": ["model.cuda_graphs=true"]}
+# of 1,024 tokens measured 0.53 s against 0.92-1.01 s per update; packs padded to a multiple of 128 instead
+# (0.4% padding instead of 5%, 128 lengths captured at the first call) took 2% less per update and 4% less
+# per compute_values (bench/NOTES.md). At 1.5B the graphs measured the same as eager at either multiple (the
+# step is bound by the GPU there); at 3B they are not measured.
+PACKED_SWITCHES = {"qwen2.5-0.5b": ["model.cuda_graphs=true", "model.cuda_graph_pack_multiple=128"]}
 # Untimed warm-up pairs and timed calls of a shape whose calls take tens of seconds (none since 7B's optimizer
 # runs on the GPU: every shape has the default 3 and 3).
 SHAPE_CALLS: dict[str, tuple[int, int]] = {}
