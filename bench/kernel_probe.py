@@ -380,7 +380,8 @@ def _rel(a, b) -> float:
 def norm_rows(shape, micro):
     """RMSNorm of the hidden states (two per layer), forward and forward + backward over all packs of one
     layer: eager, compiled (every size symbolic; the token count dynamic, with and without tuned launch
-    configs), layers.RMSNorm's fused path, liger's Triton kernel and quack's CuTe kernel where they import
+    configs), layers.RMSNorm's fused path (megacritic.model.norm_kernel, at other tiles and warps too),
+    liger's Triton kernel and quack's CuTe kernel where they import
     (quack scales in float32 before rounding, eager rounds the normalised value first: not the same
     arithmetic)."""
     from megacritic.model import layers
@@ -400,6 +401,14 @@ def norm_rows(shape, micro):
              ("compiled, tokens dynamic", token_dynamic(None)),
              ("compiled, tokens dynamic, tuned", token_dynamic({"coordinate_descent_tuning": True}))]
     paths.append(("layers.fused_rms_norm (what the layer runs here)", layers.fused_rms_norm))
+    # norm_kernel's tile (elements), tiles per backward program and warps: each read at every launch
+    from megacritic.model import norm_kernel
+    today = (norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS)
+    configs = {}
+    for config in [(8192, 1, 8), (4096, 4, 4), (4096, 1, 4), (2048, 4, 4), (2048, 8, 4), (16384, 2, 16)]:
+        name = f"norm_kernel, tile {config[0]}, {config[1]} tiles a backward program, {config[2]} warps"
+        configs[name] = config
+        paths.append((name, layers.fused_rms_norm))
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         paths.append(("liger, llama casting",
@@ -418,6 +427,8 @@ def norm_rows(shape, micro):
 
     rows = []
     for name, fn in paths:
+        norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS = configs.get(name, today)
+
         def run(backward):
             outs = [fn(x, weight, 1e-6) for x in data]
             if backward:
@@ -436,6 +447,7 @@ def norm_rows(shape, micro):
             rows += timed_pair("RMSNorm", name, run, diff)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+    norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS = today
     return rows
 
 
