@@ -19,12 +19,15 @@ pytest.importorskip("triton")
 @pytest.fixture
 def kernel(monkeypatch):
     """The kernel module as the interpreter runs it (``triton.jit`` reads TRITON_INTERPRET when it wraps a
-    function), loaded apart and put where ``layers.fused_rms_norm`` finds it."""
+    function), loaded apart and put where ``layers.fused_rms_norm`` finds it. Its tiles are made smaller
+    (fewer rows each) than on the GPU: the interpreter sums a tile one element at a time in Python, and
+    small tiles reach several programs and a partly filled last one with few rows."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     path = megacritic.model.__path__[0] + "/norm_kernel.py"
     spec = importlib.util.spec_from_file_location("megacritic.model.norm_kernel", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    module.TILE = 1024
     monkeypatch.setattr(layers, "_norm_kernel", lambda: module)
     return module
 
@@ -62,8 +65,8 @@ def test_kernels_match_the_eager_norm_in_float64(kernel, n):
 def test_weight_gradient_is_summed_in_a_fixed_order(kernel):
     """Two runs give the same bits (per-program partial sums, no atomics): what megatron.full_determinism
     and the CUDA graphs' replay-equals-eager test rely on on the GPU."""
-    a, _ = _run(300, 64, seed=3)
-    b, _ = _run(300, 64, seed=3)
+    a, _ = _run(100, 64, seed=3)
+    b, _ = _run(100, 64, seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
