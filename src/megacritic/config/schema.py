@@ -137,8 +137,8 @@ class ModelConfig:
     False pads every rollout of a micro-batch to the longest one instead."""
     use_fused_kernels: bool = True
     """On GPU: RMSNorm as one Triton kernel each way (megacritic.model.norm_kernel; compiled by torch.compile
-    where Triton does not import), the QKV projection's bias, split into heads and RoPE as one Triton kernel each way, Megatron's fused SwiGLU,
-    the fused CUDA AdamW kernel and,
+    where Triton does not import), the QKV projection's bias, split into heads and RoPE as one Triton kernel
+    each way, Megatron's fused SwiGLU, the fused CUDA AdamW kernel and,
     for mixture-of-experts models in bf16, each expert projection as one grouped GEMM, instead of their
     eager / multi-tensor / per-expert versions (same arithmetic, fewer kernels and passes over memory;
     figures in bench/NOTES.md). No effect on CPU."""

@@ -204,10 +204,10 @@ class _ForwardGraph:
             return out.copy_(owner.eager(hidden_states=self.static.hidden, attention_mask=None,
                                          packed_seq_params=static_pack, **kwargs))
 
-        self._forward, self._owner = forward, owner
+        self.owner, self._forward = owner, forward
 
     def warm_up(self) -> None:
-        with torch.no_grad(), self._owner.on_side_stream():
+        with torch.no_grad(), self.owner.on_side_stream():
             for _ in range(WARMUP_ITERATIONS):
                 self._forward()
 

@@ -5,8 +5,9 @@ eager's autograd does (the upstream gradient times the weight, each token's shar
 
 Why by hand: liger-kernel's RMSNorm backward, which ran here before, gives each of the GPU's SMs one program
 that walks its ~120 rows of a 16k-token pack one row at a time, so few loads are in flight; at 0.5B it took
-25.4 ms of an update against 4.5 ms for the forward (torch profiler, bench/NOTES.md, "Round 2, seventh
-session"). Here a program owns a tile of ``block_rows`` rows and walks ``ROW_BLOCKS`` such tiles: every byte
+25.4 ms of an update against 4.5 ms for the forward (torch profiler on an H100, bench/NOTES.md, "Round 2,
+seventh session"). Here a program owns a tile of ``TILE`` elements (whole rows: ``_blocks``), and a backward
+program walks ``ROW_BLOCKS`` such tiles: every byte
 is read and written once, and the weight gradient is summed per program into a float32 buffer and then over
 programs, in an order fixed by the shape alone (no atomics: deterministic, whatever the GPU).
 
@@ -26,7 +27,8 @@ TILE, ROW_BLOCKS, NUM_WARPS = 8192, 4, 8  # elements of a tile, tiles per backwa
 
 @triton.jit
 def _add(a, b):
-    # tl.sum's combine function, ours: Triton's interpreter (the tests) cannot call triton.language's own
+    # tl.sum's combine function, ours: Triton's interpreter (the tests) cannot call triton.language's own; not
+    # qkv_kernel's, which the interpreted tests load as a module of its own
     return a + b
 
 
