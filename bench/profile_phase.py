@@ -4,15 +4,19 @@ recompilations, a torch profiler table of one call (top kernels by self CUDA tim
 which then idles while the host prepares the next kernels.
 
     python bench/profile_phase.py [--shape qwen2.5-1.5b] [--phase update|values] [--calls 5] [--trace OUT.json]
-        [--sync-sites] [--host] [--no-torch-profile] [KEY=VALUE ...]   # overrides, e.g. model.use_fused_kernels=false
+        [--sync-sites] [--host] [--gaps] [--no-torch-profile] [KEY=VALUE ...]   # overrides, e.g. model.use_fused_kernels=false
 
 ``--host``: where the host's time goes in one call (cProfile: the Python functions by own time, and the
-time by library), for steps whose GPU waits on the host to queue kernels.
+time by library), for steps whose GPU waits on the host to queue kernels. ``--gaps``: where the GPU idles
+inside the profiled call (its longest gaps between kernels, with what the host was doing meanwhile).
 """
 
 import argparse
 import collections
 import cProfile
+import json
+import os
+import tempfile
 import pstats
 import re
 import time
@@ -40,6 +44,8 @@ def main():
     parser.add_argument("--sync-sites", action="store_true",
                         help="also list the code that synchronises the host with the GPU in one call, by count")
     parser.add_argument("--host", action="store_true", help="also profile one call's host time (cProfile)")
+    parser.add_argument("--gaps", action="store_true",
+                        help="also list where the GPU idles in the profiled call, with what the host was doing")
     parser.add_argument("--no-torch-profile", action="store_true", help="skip the torch profiler table")
     args, extra = parser.parse_known_args()
     if not torch.cuda.is_available():
@@ -86,6 +92,12 @@ def main():
                                                                "cuLaunchKernelEx", "cudaLaunchKernelExC"))
             print(f"kernel launches in one call: {launches}")
             print_kernel_kinds(prof, phase)
+            if args.gaps:
+                with tempfile.TemporaryDirectory() as folder:
+                    path = os.path.join(folder, "trace.json")
+                    prof.export_chrome_trace(path)
+                    with open(path) as f:
+                        print_gaps(json.load(f)["traceEvents"], phase)
         if args.trace:
             prof.export_chrome_trace(args.trace)
     if args.host:
@@ -137,6 +149,68 @@ def print_kernel_kinds(prof, phase: str) -> None:
     for kind, us in kinds.most_common():
         top = ", ".join(f"{n} {t / 1e3:.1f} ms" for n, t in examples[kind].most_common(3))
         print(f"  {us / 1e6:7.3f} s {us / 1e6 / max(busy, 1e-9):6.1%}  {kind}   [{top}]")
+
+
+def print_gaps(events: list[dict], phase: str, shown: int = 20, least_us: float = 50.0) -> None:
+    """The GPU's idle time in a profiled call, from its trace: every gap of at least ``least_us`` between one
+    kernel's end and the next one's start, summed by what the host was doing when the next kernel was launched
+    (the stack of its ranges and ops at the launch: a gap ends when the host gets the kernel queued), then
+    the longest gaps one by one with the host's time spent meanwhile by top-level range."""
+    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    if not gpu:
+        print(f"{phase}: no kernels in the trace")
+        return
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    by_thread = collections.defaultdict(list)
+    for e in host:
+        by_thread[e["tid"]].append(e)
+
+    def stack_at(tid, ts):  # the ranges and ops open on a host thread at ts, outermost first
+        open_ = [e for e in by_thread.get(tid, ()) if e["ts"] <= ts <= e["ts"] + e["dur"]]
+        return [e["name"][:60] for e in sorted(open_, key=lambda e: (e["ts"], -e["dur"]))]
+
+    def meanwhile(tid, start, end):  # the host's time in [start, end] by outermost range or op
+        spent, outer_end = collections.Counter(), float("-inf")
+        overlapping = [e for e in by_thread.get(tid, ()) if e["ts"] < end and e["ts"] + e["dur"] > start]
+        for e in sorted(overlapping, key=lambda e: (e["ts"], -e["dur"])):
+            if e["ts"] + e["dur"] <= outer_end:  # inside the outermost one before it
+                continue
+            outer_end = e["ts"] + e["dur"]
+            spent[e["name"][:60]] += min(end, outer_end) - max(start, e["ts"])
+        return spent
+
+    gaps, edge = [], gpu[0]["ts"] + gpu[0]["dur"]
+    for e in gpu[1:]:
+        if e["ts"] - edge >= least_us:
+            gaps.append((e["ts"] - edge, edge, e))
+        edge = max(edge, e["ts"] + e["dur"])
+    span = edge - gpu[0]["ts"]
+    idle = sum(g for g, _, _ in gaps)
+    print(f"{phase}: {len(gaps)} gaps of {least_us:.0f} us or more, {idle / 1e3:.1f} ms of a {span / 1e3:.1f} ms span")
+    by_site = collections.Counter()
+    count = collections.Counter()
+    for length, _, kernel in gaps:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        site = " > ".join(stack_at(launch["tid"], launch["ts"])[-4:]) if launch else "(no launch in the trace)"
+        by_site[site] += length
+        count[site] += 1
+    print("  by the host's ranges and ops at the launch that ended the gap (innermost four):")
+    for site, us in by_site.most_common(12):
+        print(f"  {us / 1e3:8.1f} ms {count[site]:5d} gaps  {site[:230]}")
+    print(f"  the {min(shown, len(gaps))} longest:")
+    for length, start, kernel in sorted(gaps, key=lambda g: -g[0])[:shown]:
+        launch = launches.get(kernel.get("args", {}).get("correlation"))
+        where = f"at +{(start - gpu[0]['ts']) / 1e3:.1f} ms"
+        if launch is None:
+            print(f"  {length / 1e3:7.2f} ms {where}, before {kernel['name'][:50]}")
+            continue
+        spent = meanwhile(launch["tid"], start, start + length)
+        doing = ", ".join(f"{n} {us / 1e3:.1f}" for n, us in spent.most_common(4))
+        print(f"  {length / 1e3:7.2f} ms {where}, before {kernel['name'][:50]}; launched in "
+              f"{' > '.join(stack_at(launch['tid'], launch['ts'])[-3:])[:150]}; host meanwhile (ms): {doing[:200]}")
 
 
 def print_host_profile(call) -> None:

@@ -67,9 +67,11 @@ class MegatronPPOCritic:
 
     @contextlib.contextmanager
     def doing(self, operation: str):
-        """Name what runs inside for error messages; back to idle when it returns (a failure keeps the name)."""
+        """Name what runs inside for error messages (back to idle when it returns; a failure keeps the name)
+        and, as a range, for the torch profiler's traces."""
         self._operation = operation
-        yield
+        with torch.profiler.record_function(operation):
+            yield
         self._operation = "idle"
 
     # ---------------------------------------------------------------- public calls
@@ -236,7 +238,8 @@ class MegatronPPOCritic:
             sums = self._reduce_stats(run.outputs)
         step = _Step(run, sums, global_tokens, start, self.forward_backward.timers.take())
         if meanwhile is not None:
-            meanwhile()
+            with self.doing("update_critic: preparing the next step"):
+                meanwhile()
         return step
 
     def _queue_optimizer_step(self, step: _Step) -> None:
