@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-TILE, ROW_BLOCKS, NUM_WARPS = 8192, 4, 8  # elements of a tile, tiles per backward program, warps: fixed
+# elements of a tile, tiles per backward program, warps, and the backward loop's software-pipeline stages (1: none)
+TILE, ROW_BLOCKS, NUM_WARPS, STAGES = 8192, 4, 8, 1
 
 
 @triton.jit
@@ -47,11 +48,11 @@ def _rms_norm_forward(x, w, y, rstd, t, n, stride, eps, BLOCK_M: tl.constexpr, B
 
 @triton.jit
 def _rms_norm_backward(dy, x, w, rstd, dx, dw_parts, t, n, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       ROW_BLOCKS: tl.constexpr):
+                       ROW_BLOCKS: tl.constexpr, STAGES: tl.constexpr):
     cols = tl.arange(0, BLOCK_N)
     ws = tl.load(w + cols, mask=cols < n, other=0.0).to(tl.float32)
     dw = tl.full([BLOCK_N], 0.0, tl.float32)
-    for i in range(ROW_BLOCKS):
+    for i in tl.range(0, ROW_BLOCKS, num_stages=STAGES):
         rows = ((tl.program_id(0) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows < t)[:, None] & (cols < n)[None, :]
         g = tl.load(dy + rows[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -102,7 +103,8 @@ class RMSNormFunction(torch.autograd.Function):
         parts = torch.empty(programs, n, dtype=torch.float32, device=x.device)
         if t:
             _rms_norm_backward[(programs,)](dy, x, weight, rstd, dx, parts, t, n, x.stride(0), BLOCK_M=block_m,
-                                            BLOCK_N=block_n, ROW_BLOCKS=ROW_BLOCKS, num_warps=NUM_WARPS)
+                                            BLOCK_N=block_n, ROW_BLOCKS=ROW_BLOCKS, STAGES=STAGES,
+                                            num_warps=NUM_WARPS)
         return dx, parts.sum(0).to(weight.dtype), None
 
 
