@@ -14,7 +14,8 @@
 #   overlap    0.5B with graphs (also with glibc's malloc keeping freed memory), 0.5B and 1.5B eager   ~6
 #   host       where the host's time goes (cProfile) at 0.5B / 1.5B, and two 0.5B A/Bs (unfused, 32k budget) ~5
 #   qkv        bench/kernel_probe.py --only qkv,norm at 1.5B and 3B (QKV split + RoPE: Triton, compiled; RMSNorm) ~3
-#   norm       bench/kernel_probe.py --only norm at 1.5B and 3B (RMSNorm: compiled, liger, quack)         ~1.5
+#   norm       bench/kernel_probe.py --only norm,swiglu at 1.5B and 3B (RMSNorm: ours at several tiles, liger,
+#              quack; SwiGLU: Megatron's compiled, ours at several tiles)                               ~2.5
 #   multiple   0.5B with graphs, packs padded to multiples of 1,024 / 256 / 128 (MULTIPLES): both phases timed ~7
 #   multiple15 1.5B with graphs at a multiple of 128 tokens against 1.5B eager: both phases timed            ~6
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
@@ -158,8 +159,8 @@ fi
 if has norm; then
   for shape in qwen2.5-1.5b qwen2.5-3b; do
     step "RMSNorm $shape"
-    timeout "$(left 120)" python3 bench/kernel_probe.py --shape $shape --only norm >"$OUT/norm-$shape.log" 2>&1
-    echo "exit $?"; grep -avE "Warning|warn" "$OUT/norm-$shape.log" | tail -20 | cut -c1-220
+    timeout "$(left 150)" python3 bench/kernel_probe.py --shape $shape --only norm,swiglu >"$OUT/norm-$shape.log" 2>&1
+    echo "exit $?"; grep -avE "Warning|warn" "$OUT/norm-$shape.log" | grep -aE "forward|fwd|equal|Error|^torch" | cut -c1-200
   done
 fi
 if has launch; then

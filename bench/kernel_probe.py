@@ -453,11 +453,62 @@ def norm_rows(shape, micro):
     return rows
 
 
+def swiglu_rows(shape, micro):
+    """The MLP's SwiGLU over all packs of one layer, forward and forward + backward: Megatron's compiled
+    ``bias_swiglu_impl`` (what runs with model.use_fused_kernels), eager, and megacritic.model.swiglu_kernel
+    at several tiles and warps; outputs and input gradients compared with the compiled path's."""
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    from megacritic.model import swiglu_kernel
+    n = shape["intermediate_size"]
+    data = [torch.randn(sum(lens), 1, 2 * n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for lens in micro]
+    grads = [torch.randn(x.shape[0], 1, n, device="cuda", dtype=torch.bfloat16) for x in data]
+
+    def eager(x):
+        a, b = x.chunk(2, -1)
+        return F.silu(a) * b
+    today = (swiglu_kernel.BLOCK_M, swiglu_kernel.BLOCK_N, swiglu_kernel.NUM_WARPS)
+    paths = [("Megatron's compiled swiglu", lambda x: bias_swiglu_impl(x, None, False, False)), ("eager", eager)]
+    configs = {}
+    for config in [today, (8, 256, 4), (32, 256, 8), (16, 512, 8), (4, 1024, 4), (64, 128, 8)]:
+        name = f"swiglu_kernel, {config[0]} x {config[1]} tile, {config[2]} warps"
+        configs[name] = config
+        paths.append((name, swiglu_kernel.swiglu))
+    ref = [paths[0][1](x).detach() for x in data]
+    torch.autograd.backward([paths[0][1](x) for x in data], grads)
+    ref_grads = [x.grad.clone() for x in data]
+    rows = []
+    for name, fn in paths:
+        swiglu_kernel.BLOCK_M, swiglu_kernel.BLOCK_N, swiglu_kernel.NUM_WARPS = configs.get(name, today)
+
+        def run(backward):
+            outs = [fn(x) for x in data]
+            if backward:
+                torch.autograd.backward(outs, grads)
+            return outs
+        try:
+            for x in data:
+                x.grad = None
+            outs = run(True)
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(ref, outs))
+            same = sum(torch.equal(a, b) for a, b in zip(ref, outs))
+            same_grads = sum(torch.equal(x.grad, g) for x, g in zip(data, ref_grads))
+            print(f"{name}: outputs / input gradients equal to the compiled path's in {same} / {same_grads} of "
+                  f"{len(ref)} packs; gradient rel. diff "
+                  f"{max(_rel(x.grad, g) for x, g in zip(data, ref_grads)):.2e}", flush=True)
+            rows += timed_pair("SwiGLU", name, run, diff)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+    swiglu_kernel.BLOCK_M, swiglu_kernel.BLOCK_N, swiglu_kernel.NUM_WARPS = today
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=[s for s in SHAPES if s != "tiny"])
     parser.add_argument("--budget", type=int, default=16384)
-    parser.add_argument("--only", help="only these rows, comma-separated: qkv, norm")
+    parser.add_argument("--only", help="only these rows, comma-separated: qkv, norm, swiglu")
     parser.add_argument("--cudnn", action="store_true",
                         help="also cuDNN attention (its ragged path is experimental in PyTorch: run it apart)")
     args = parser.parse_args()
@@ -467,7 +518,7 @@ def main():
     if args.only:
         print(f"{'what':30} {'path':45} {'wall ms':>9} {'GPU ms':>9} {'max diff':>9}")
         for part in args.only.split(","):
-            {"qkv": qkv_rows, "norm": norm_rows}[part](shape, micro)
+            {"qkv": qkv_rows, "norm": norm_rows, "swiglu": swiglu_rows}[part](shape, micro)
         return
     rows = mlp_rows(shape, micro) + rope_rows(shape, micro) + wgrad_rows(shape, micro) + attention_rows(
         shape, micro, args.cudnn)

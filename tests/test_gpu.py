@@ -488,6 +488,39 @@ def test_fused_rms_norm_is_the_eager_arithmetic(triton_kernel, monkeypatch):
         assert _rel(g, want) < 4e-3 and _rel(e, want) < 4e-3
 
 
+def test_swiglu_kernel_is_megatrons_compiled_arithmetic():
+    """megacritic.model.swiglu_kernel in bf16 against Megatron's compiled SwiGLU (what it replaces under
+    model.use_fused_kernels): the same float32 arithmetic rounded once, so outputs and input gradients equal
+    it but for rare values where the compiled sigmoid rounds differently; both within bf16 rounding of
+    float64; two runs give the same bits; and MLP's bias_swiglu_impl dispatches to it once compat applies."""
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.transformer import mlp
+
+    from megacritic import compat
+    from megacritic.model import swiglu_kernel
+
+    torch.manual_seed(0)
+    n = 4864
+    x = (3 * torch.randn(4099, 1, 2 * n, device="cuda")).bfloat16()
+    dy = torch.randn(4099, 1, n, device="cuda").bfloat16()
+
+    def run(fn, inp):
+        inp = inp.detach().requires_grad_()
+        out = fn(inp)
+        out.backward(dy.to(out.dtype))
+        return out.detach(), inp.grad
+
+    got = run(swiglu_kernel.swiglu, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, run(swiglu_kernel.swiglu, x)))
+    compiled = run(lambda t: fused_bias_swiglu.bias_swiglu_impl(t, None, False, False), x)
+    exact = run(lambda t: torch.nn.functional.silu(t[..., :n]) * t[..., n:], x.double())
+    for g, c, want in zip(got, compiled, exact):
+        assert (g == c).float().mean() > 0.999
+        assert _rel(g, want) < 4e-3 and _rel(c, want) < 4e-3
+    compat.apply(on_cpu=False, fused=True)
+    assert torch.equal(mlp.bias_swiglu_impl(x, None, False, False), got[0])
+
+
 def test_compiled_rope_matches_float64_rotation():
     """The compiled RoPE of packed micro-batches (float32 inside, one rounding) against the rotation in
     float64, forward and backward, in bf16: within bf16 rounding of the inputs."""

@@ -73,10 +73,12 @@ CPU = {f"{module}:torch" for module in CPU_TORCH_MODULES} | {
     "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
     "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
 }
-# fused=True on CUDA: weight gradients accumulated in the GEMM without apex.
+# fused=True on CUDA: weight gradients accumulated in the GEMM without apex; the MLPs' SwiGLU in Triton.
 FUSED_CUDA = {
     "megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda",
     "megatron.core.tensor_parallel.layers:_grad_accum_fusion_available",
+    "megatron.core.transformer.mlp:bias_swiglu_impl",
+    "megatron.core.transformer.moe.shared_experts:bias_swiglu_impl",
 }
 
 _MARK = "@@CHANGED@@"

@@ -67,6 +67,7 @@ def run_megacritic(shape: dict, batch: TensorDict, packed: bool, token_budget: i
 
 def megacritic_kernels(worker) -> dict:
     """The kernels a built critic runs: attention of packed micro-batches, RMSNorm, SwiGLU, optimizer."""
+    from megacritic.compat.kernels import triton_swiglu_installed
     from megacritic.model.layers import RMSNorm, attention_impl_of
 
     chunks = worker.state.model
@@ -77,7 +78,8 @@ def megacritic_kernels(worker) -> dict:
         f":moments-{o.exp_avg_dtype}-{o.exp_avg_sq_dtype}")
     return {"attention": attention_impl_of(chunks) if worker.config.model.use_remove_padding else "sdpa (padded)",
             "norm": "compiled" if norms == {True} else "eager",
-            "swiglu": "megatron-fused" if config.bias_activation_fusion else "eager",
+            "swiglu": ("eager" if not config.bias_activation_fusion
+                       else "megacritic-triton" if triton_swiglu_installed() else "megatron-fused"),
             "recompute": config.recompute_granularity and (
                 f"{config.recompute_granularity}:{','.join(config.recompute_modules)}"
                 if config.recompute_granularity == "selective" else

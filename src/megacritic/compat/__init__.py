@@ -11,7 +11,9 @@ or as the side effect of building a config), for the rest of the process:
    so every Megatron optimizer in the process uses them, not only the critic's.
 3. With ``fused`` on CUDA: ``tensor_parallel.layers.fused_weight_gradient_mlp_cuda`` and
    ``_grad_accum_fusion_available``: weight gradients accumulated inside the GEMM without apex
-   (:func:`~megacritic.compat.kernels.weight_grad_accumulation_in_gemm`).
+   (:func:`~megacritic.compat.kernels.weight_grad_accumulation_in_gemm`); and ``mlp.bias_swiglu_impl``,
+   ``shared_experts.bias_swiglu_impl``: the MLPs' SwiGLU as megacritic's Triton kernel (the compiled pair's
+   arithmetic at about twice its bandwidth; :func:`~megacritic.compat.kernels.triton_swiglu`).
 4. With ``on_cpu``: Megatron-Core on CPU (gloo): each CUDA-reaching Megatron module's ``torch`` global, the RNG
    tracker's state accessors, the MoE dispatcher's host copy, and three optimizer functions
    (:mod:`megacritic.compat.cpu`).
@@ -73,5 +75,6 @@ def apply(*, on_cpu: bool, fused: bool) -> None:
     kernels.foreach_grad_norm_and_scale()
     if fused:
         kernels.weight_grad_accumulation_in_gemm()
+        kernels.triton_swiglu()
     if on_cpu:
         cpu.enable_cpu_backend()

@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer import optimizer as megatron_optimizer
+from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.tensor_parallel import layers as tp_layers
-from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer import mlp
+from megatron.core.transformer.moe import moe_utils, shared_experts
 from megatron.core.utils import local_multi_tensor_applier
 
 from megacritic.optim import l2_norm, torch_optimizers
@@ -55,6 +57,29 @@ def weight_grad_accumulation_in_gemm() -> None:
             and hasattr(torch.ops.aten.addmm, "dtype_out"):
         tp_layers.fused_weight_gradient_mlp_cuda = _WeightGradAccumulation
         tp_layers._grad_accum_fusion_available = True
+
+
+def _bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
+    """Megatron's ``bias_swiglu_impl`` as its MLPs call it under ``bias_activation_fusion``: without a bias,
+    an FP8 copy or an offloaded input, on CUDA, megacritic.model.swiglu_kernel (the same float32 arithmetic,
+    rounded once; ~2x the compiled pair's bandwidth, bench/NOTES.md); otherwise upstream's compiled one."""
+    if bias is None and not fp8_input_store and not cpu_offload_input and input.is_cuda:
+        from megacritic.model.swiglu_kernel import swiglu  # Triton: imported only where it runs
+        return swiglu(input)
+    return fused_bias_swiglu.bias_swiglu_impl(input, bias, fp8_input_store, cpu_offload_input)
+
+
+def triton_swiglu() -> None:
+    """The dense MLPs' and shared experts' SwiGLU (``mlp.bias_swiglu_impl``, ``shared_experts.bias_swiglu_impl``:
+    module globals, so every Megatron MLP in the process) through :func:`_bias_swiglu_impl`. CUDA only."""
+    if torch.cuda.is_available():
+        mlp.bias_swiglu_impl = _bias_swiglu_impl
+        shared_experts.bias_swiglu_impl = _bias_swiglu_impl
+
+
+def triton_swiglu_installed() -> bool:
+    """Whether Megatron's MLPs run their SwiGLU through megacritic's kernel now (:func:`triton_swiglu`)."""
+    return mlp.bias_swiglu_impl is _bias_swiglu_impl
 
 
 def weight_grad_accumulation_available() -> bool:
