@@ -4,7 +4,8 @@ recompilations, a torch profiler table of one call (top kernels by self CUDA tim
 which then idles while the host prepares the next kernels.
 
     python bench/profile_phase.py [--shape qwen2.5-1.5b] [--phase update|values] [--calls 5] [--trace OUT.json]
-        [--sync-sites] [--host] [--gaps] [--no-torch-profile] [KEY=VALUE ...]   # overrides, e.g. model.use_fused_kernels=false
+        [--sync-sites] [--host] [--gaps] [--no-torch-profile] [KEY=VALUE ...]
+    # KEY=VALUE: config overrides, e.g. model.use_fused_kernels=false
 
 ``--host``: where the host's time goes in one call (cProfile: the Python functions by own time, and the
 time by library), for steps whose GPU waits on the host to queue kernels. ``--gaps``: where the GPU idles

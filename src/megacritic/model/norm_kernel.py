@@ -22,8 +22,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# elements of a tile, tiles per backward program, warps, and the backward loop's software-pipeline stages (1: none)
-TILE, ROW_BLOCKS, NUM_WARPS, STAGES = 8192, 4, 8, 1
+# elements of a tile, tiles per backward program, warps, and the backward loop's software-pipeline stages (None:
+# Triton's default for the loop, as a plain ``range``; 1: none)
+TILE, ROW_BLOCKS, NUM_WARPS, STAGES = 8192, 4, 8, None
 
 
 @triton.jit
