@@ -13,7 +13,7 @@ or as the side effect of building a config), for the rest of the process:
    ``_grad_accum_fusion_available``: weight gradients accumulated inside the GEMM without apex
    (:func:`~megacritic.compat.kernels.weight_grad_accumulation_in_gemm`); and ``mlp.bias_swiglu_impl``,
    ``shared_experts.bias_swiglu_impl``: the MLPs' SwiGLU as megacritic's Triton kernel (the compiled pair's
-   arithmetic at about twice its bandwidth; :func:`~megacritic.compat.kernels.triton_swiglu`).
+   arithmetic, each input read once; :func:`~megacritic.compat.kernels.triton_swiglu`).
 4. With ``on_cpu``: Megatron-Core on CPU (gloo): each CUDA-reaching Megatron module's ``torch`` global, the RNG
    tracker's state accessors, the MoE dispatcher's host copy, and three optimizer functions
    (:mod:`megacritic.compat.cpu`).

@@ -9,9 +9,9 @@ process-global ones.
 from __future__ import annotations
 
 import torch
+from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer import optimizer as megatron_optimizer
-from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer import mlp
 from megatron.core.transformer.moe import moe_utils, shared_experts
@@ -62,7 +62,7 @@ def weight_grad_accumulation_in_gemm() -> None:
 def _bias_swiglu_impl(input, bias, fp8_input_store=False, cpu_offload_input=False):
     """Megatron's ``bias_swiglu_impl`` as its MLPs call it under ``bias_activation_fusion``: without a bias,
     an FP8 copy or an offloaded input, on CUDA, megacritic.model.swiglu_kernel (the same float32 arithmetic,
-    rounded once; ~2x the compiled pair's bandwidth, bench/NOTES.md); otherwise upstream's compiled one."""
+    rounded once, each input read once: the module says why); otherwise upstream's compiled one."""
     if bias is None and not fp8_input_store and not cpu_offload_input and input.is_cuda:
         from megacritic.model.swiglu_kernel import swiglu  # Triton: imported only where it runs
         return swiglu(input)
