@@ -22,9 +22,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# elements of a tile, tiles per backward program, warps, and the backward loop's software-pipeline stages (None:
-# Triton's default for the loop, as a plain ``range``; 1: none)
-TILE, ROW_BLOCKS, NUM_WARPS, STAGES = 8192, 4, 8, None
+# elements of a tile, tiles per backward program, warps, and the backward loop's software-pipeline stages (0:
+# Triton's default for the loop; 1: none)
+TILE, ROW_BLOCKS, NUM_WARPS, STAGES = 8192, 4, 8, 0
 
 
 @triton.jit
@@ -48,24 +48,37 @@ def _rms_norm_forward(x, w, y, rstd, t, n, stride, eps, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
+def _rms_norm_backward_tile(dy, x, rstd, dx, ws, t, n, stride, block, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """One tile of rows: its input gradient stored, its share of the weight gradient returned."""
+    cols = tl.arange(0, BLOCK_N)
+    rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask = (rows < t)[:, None] & (cols < n)[None, :]
+    g = tl.load(dy + rows[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xs = tl.load(x + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(rstd + rows, mask=rows < t, other=0.0)[:, None]
+    # eager's autograd: the normalised value's gradient dy * w and each token's dy * normed are rounded
+    m = (g * ws[None, :]).to(dx.dtype.element_ty).to(tl.float32)
+    normed = (xs * r).to(dx.dtype.element_ty).to(tl.float32)
+    dot = tl.reduce(m * xs, 1, _add)[:, None]
+    grad = r * m - r * (r * r) * (dot / n) * xs
+    tl.store(dx + rows[:, None] * n + cols[None, :], grad.to(dx.dtype.element_ty), mask=mask)
+    return tl.reduce((g * normed).to(dx.dtype.element_ty).to(tl.float32), 0, _add)
+
+
+@triton.jit
 def _rms_norm_backward(dy, x, w, rstd, dx, dw_parts, t, n, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        ROW_BLOCKS: tl.constexpr, STAGES: tl.constexpr):
     cols = tl.arange(0, BLOCK_N)
     ws = tl.load(w + cols, mask=cols < n, other=0.0).to(tl.float32)
     dw = tl.full([BLOCK_N], 0.0, tl.float32)
-    for i in tl.range(0, ROW_BLOCKS, num_stages=STAGES):
-        rows = ((tl.program_id(0) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        mask = (rows < t)[:, None] & (cols < n)[None, :]
-        g = tl.load(dy + rows[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        xs = tl.load(x + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(rstd + rows, mask=rows < t, other=0.0)[:, None]
-        # eager's autograd: the normalised value's gradient dy * w and each token's dy * normed are rounded
-        m = (g * ws[None, :]).to(dx.dtype.element_ty).to(tl.float32)
-        normed = (xs * r).to(dx.dtype.element_ty).to(tl.float32)
-        dw += tl.reduce((g * normed).to(dx.dtype.element_ty).to(tl.float32), 0, _add)
-        dot = tl.reduce(m * xs, 1, _add)[:, None]
-        grad = r * m - r * (r * r) * (dot / n) * xs
-        tl.store(dx + rows[:, None] * n + cols[None, :], grad.to(dx.dtype.element_ty), mask=mask)
+    first = tl.program_id(0) * ROW_BLOCKS
+    if STAGES == 0:  # the loop as Triton schedules it by default
+        for i in range(ROW_BLOCKS):
+            dw += _rms_norm_backward_tile(dy, x, rstd, dx, ws, t, n, stride, first + i, BLOCK_M, BLOCK_N)
+    else:
+        for i in tl.range(0, ROW_BLOCKS, num_stages=STAGES):
+            dw += _rms_norm_backward_tile(dy, x, rstd, dx, ws, t, n, stride, first + i, BLOCK_M, BLOCK_N)
     tl.store(dw_parts + tl.program_id(0) * n + cols, dw, mask=cols < n)
 
 
