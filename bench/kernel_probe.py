@@ -373,6 +373,17 @@ def qkv_rows(shape, micro):
     return rows
 
 
+def pack_runner(call, data, grads):
+    """``run(backward)`` for :func:`timed_pair`: ``call`` on every pack of ``data``, then (``backward``) the
+    packs' gradients ``grads`` through autograd; returns the outputs."""
+    def run(backward):
+        outs = [call(x) for x in data]
+        if backward:
+            torch.autograd.backward(outs, grads)
+        return outs
+    return run
+
+
 def _rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -430,12 +441,7 @@ def norm_rows(shape, micro):
     rows = []
     for name, fn in paths:
         norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS, norm_kernel.STAGES = configs.get(name, today)
-
-        def run(backward):
-            outs = [fn(x, weight, 1e-6) for x in data]
-            if backward:
-                torch.autograd.backward(outs, grads)
-            return outs
+        run = pack_runner(lambda x, fn=fn: fn(x, weight, 1e-6), data, grads)
         try:
             for x in (*data, weight):
                 x.grad = None
@@ -481,12 +487,7 @@ def swiglu_rows(shape, micro):
     rows = []
     for name, fn in paths:
         swiglu_kernel.BLOCK_M, swiglu_kernel.BLOCK_N, swiglu_kernel.NUM_WARPS = configs.get(name, today)
-
-        def run(backward):
-            outs = [fn(x) for x in data]
-            if backward:
-                torch.autograd.backward(outs, grads)
-            return outs
+        run = pack_runner(fn, data, grads)
         try:
             for x in data:
                 x.grad = None
