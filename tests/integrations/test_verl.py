@@ -34,6 +34,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 from megacritic import ConfigError, CriticWorker, load_config  # noqa: E402
 from megacritic.cli import init_hf  # noqa: E402
+from verl_ports import master_port_range  # noqa: E402
 from megacritic.config import TINY_MODEL_OVERRIDES  # noqa: E402
 from megacritic.integrations.verl import (  # noqa: E402
     config_from_verl, critic_config_from_verl, critic_worker_cls, verl_leaves, verl_rule)
@@ -212,7 +213,7 @@ def critic_group(worker_cls, init_config, world_size: int = 2):
     pool = RayResourcePool(process_on_nodes=[world_size], use_gpu=False, max_colocate_count=1)
     class_dict = {"critic": RayClassWithInitArgs(cls=ray.remote(worker_cls), config=init_config)}
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=create_colocated_worker_cls(class_dict=class_dict),
-                           device_name="cpu")
+                           device_name="cpu", master_port_range=master_port_range())
     try:
         yield group.spawn(prefix_set=class_dict.keys())["critic"]
     finally:

@@ -36,6 +36,7 @@ from verl.workers.utils.losses import value_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 from megacritic.cli import init_hf  # noqa: E402
+from verl_ports import master_port_range  # noqa: E402
 
 SHIPPED = os.path.join(os.path.dirname(verl.__file__), "trainer", "config", "_generated_ppo_megatron_trainer.yaml")
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
@@ -145,7 +146,7 @@ def critic_group(config, world_size: int):
     pool = RayResourcePool(process_on_nodes=[world_size], use_gpu=False, max_colocate_count=1)
     class_dict = {"critic": RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=worker_cfg)}
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=create_colocated_worker_cls(class_dict=class_dict),
-                           device_name="cpu")
+                           device_name="cpu", master_port_range=master_port_range())
     try:
         critic_wg = group.spawn(prefix_set=class_dict.keys())["critic"]
         critic_wg.reset()
