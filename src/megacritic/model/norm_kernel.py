@@ -23,8 +23,10 @@ import triton.language as tl
 from torch import Tensor
 
 # elements of a tile, tiles per backward program, warps, and the backward loop's software-pipeline stages (0:
-# Triton's default for the loop; 1: none)
-TILE, ROW_BLOCKS, NUM_WARPS, STAGES = 8192, 4, 8, 0
+# Triton's default for the loop; 1: none). The fastest of eleven at 1.5B and 3B (bench/kernel_probe.py --only
+# norm, H100, bench/NOTES.md): a forward and backward over an update's packs 0.725 / 0.932 ms against 0.814 /
+# 1.014 at 8,192 elements, 8 warps
+TILE, ROW_BLOCKS, NUM_WARPS, STAGES = 4096, 4, 4, 0
 
 
 @triton.jit
