@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megacritic.flops import mfu
+from megacritic.flops import mfu, peak_flops
 
 
 def test_mfu_divides_by_every_devices_peak():
@@ -13,6 +13,16 @@ def test_mfu_divides_by_every_devices_peak():
     assert mfu(1.0, 1.0, world_size=1) != mfu(1.0, 1.0, world_size=1)  # CPU: no known peak, NaN
     with pytest.raises(ValueError, match="world_size=0"):
         mfu(1.0, 1.0, world_size=0, peak=1.0)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H200", 989e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
+    ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12), ("NVIDIA H20", 148e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA B200", 2.25e15), ("Tesla T4", None)])
+def test_peak_flops_by_device_name(name, peak):
+    """The peak by the name torch reports, the longer names first (an H200 is not an H20); NaN where unknown."""
+    got = peak_flops(name)
+    assert got == peak if peak is not None else got != got
 
 
 @pytest.fixture

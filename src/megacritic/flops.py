@@ -15,20 +15,35 @@ import torch
 
 from megacritic.config.schema import ModelConfig, expert_ffn_size, moe_layer_pattern, shared_expert_size
 
-PEAK_FLOPS = {"nvidia-h200": 989e12, "cpu": float("nan")}  # dense bf16, spec sheet
+# Dense (not sparse) bf16 tensor-core peak FLOP/s of one device, from the vendors' spec sheets, by a part of its
+# name as torch reports it (lower case; the first match wins, so "h200" comes before "h20", "h100 pcie" before
+# "h100"). SXM parts unless the name says otherwise.
+PEAK_FLOPS = (
+    ("h200", 989e12), ("h100 nvl", 835e12), ("h100 pcie", 756e12), ("h100", 989e12),
+    ("h800 pcie", 756e12), ("h800", 989e12), ("h20", 148e12),
+    ("gb200", 2.5e15), ("b200", 2.25e15),
+    ("a100", 312e12), ("a800", 312e12), ("l40s", 362e12),
+    ("mi300x", 1307e12), ("mi325x", 1307e12),
+)
 
 
 def machine_kind() -> str:
-    """The device this process computes on, as a short name (the key of PEAK_FLOPS and of bench results)."""
+    """The device this process computes on, as a short name (the key of bench results)."""
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name().lower()
     return "nvidia-h200" if "h200" in name else name.replace(" ", "-")
 
 
-def peak_flops() -> float:
-    """Dense bf16 peak FLOP/s of this device; NaN where unknown (CPU, an unlisted GPU)."""
-    return PEAK_FLOPS.get(machine_kind(), float("nan"))
+def peak_flops(device_name: str | None = None) -> float:
+    """Dense bf16 peak FLOP/s of a device named ``device_name`` (default: this process's CUDA device); NaN where
+    unknown (the CPU, a GPU not in PEAK_FLOPS), so an MFU of such a device is NaN rather than a guess."""
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return float("nan")
+        device_name = torch.cuda.get_device_name()
+    name = device_name.lower()
+    return next((peak for part, peak in PEAK_FLOPS if part in name), float("nan"))
 
 
 def mfu(flops: float, seconds: float, world_size: int, peak: float | None = None) -> float:

@@ -29,7 +29,7 @@ from megacritic.bench.workloads import (
     token_budgets,
     widths,
 )
-from megacritic.flops import PEAK_FLOPS, forward_flops, machine_kind
+from megacritic.flops import forward_flops, machine_kind, peak_flops
 
 
 def run_megacritic(shape: dict, batch: TensorDict, packed: bool, token_budget: int, micro_batch: int,
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     # FlashAttention-4 compiles its kernels at the first call of a process (~5 s each); cached on disk, as a
     # training job on a machine would keep them, later processes load them.
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    peak = PEAK_FLOPS.get(kind, float("nan"))
+    peak = peak_flops()
     child_argv = _child_argv(argv if argv is not None else sys.argv[2:])
     commit = {"commit": args.commit, "dirty": None} if args.commit else results.git_commit()
     command = "megacritic bench " + " ".join(argv if argv is not None else sys.argv[2:])
