@@ -61,8 +61,9 @@ def main():
     calls = {"update": lambda: worker.update_critic(batch), "values": lambda: worker.compute_values(batch)}
     phases = ["values", "update"] if args.phase == "both" else [args.phase]
     call = calls["values" if args.phase == "values" else "update"]
-    worker.compute_values(batch)  # one warm-up pair; the timed calls show how soon steady state comes
-    worker.update_critic(batch)
+    for phase in ("values", "update"):  # a warm-up of each phase timed (the timed calls show how soon steady
+        if phase in phases:               # state comes); values alone fits where an update would not (3B, H100)
+            calls[phase]()
     seq_lens = batch["attention_mask"].sum(1).tolist()
     tokens, flops = sum(seq_lens), forward_flops(shape, seq_lens)
     for i in range(args.calls):
