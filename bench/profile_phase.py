@@ -70,12 +70,17 @@ def main():
         for phase in phases:
             torch.cuda.synchronize()
             start = time.perf_counter()
+            before = torch.cuda.memory_stats()
             calls[phase]()
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start
+            after = torch.cuda.memory_stats()
             frames = dict(counters["stats"]) if "stats" in counters else {}
             used = mfu(flops * (3 if phase == "update" else 1), seconds, 1)
+            # the caching allocator's churn in the call: a retry frees every cached block (a device sync)
+            churn = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_alloc_retries", "segment.all.allocated")}
             print(f"call {i} {phase}: {seconds:.3f} s, {tokens / seconds:,.0f} real tokens/s, MFU {used:.3f}, "
+                  f"allocator retries +{churn['num_alloc_retries']}, cudaMallocs +{churn['segment.all.allocated']}, "
                   f"dynamo stats {frames}")
     if not args.no_torch_profile:
         for phase in phases:  # with --phase both, each phase's kernels by kind
