@@ -16,7 +16,7 @@
 #   qkv        bench/kernel_probe.py --only qkv,norm at 1.5B and 3B (QKV split + RoPE: Triton, compiled; RMSNorm) ~3
 #   norm       bench/kernel_probe.py --only norm,swiglu at 1.5B and 3B (RMSNorm: ours at several tiles, liger,
 #              quack; SwiGLU: Megatron's compiled, ours at several tiles)                               ~2.5
-#   alloc      3B both phases, 4 calls, without and with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ~3.5
+#   alloc      3B both phases, 4 calls, without and with megatron.expandable_segments=true           ~3.5
 #   multiple   0.5B with graphs, packs padded to multiples of 1,024 / 256 / 128 (MULTIPLES): both phases timed ~7
 #   multiple15 1.5B with graphs at a multiple of 128 tokens against 1.5B eager: both phases timed            ~6
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
@@ -117,8 +117,8 @@ if has overlap2; then
 fi
 if has alloc; then  # 3B: the caching allocator's retries (2 a process at 14b7c37) against expandable segments
   hostrun alloc-3b-default 150 --shape qwen2.5-3b --phase both --calls 4 --no-torch-profile
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-    hostrun alloc-3b-expandable 150 --shape qwen2.5-3b --phase both --calls 4 --no-torch-profile
+  hostrun alloc-3b-expandable 150 --shape qwen2.5-3b --phase both --calls 4 --no-torch-profile \
+    megatron.expandable_segments=true
 fi
 if has multiple; then  # the padding the graphs compute against the lengths they capture (one process each)
   for m in ${MULTIPLES:-1024 256 128}; do  # every length of a mode is captured at its first use: 16 / 64 / 128 of them
@@ -134,8 +134,8 @@ fi
 if has big; then
   (while sleep 20; do nvidia-smi --query-gpu=memory.used --format=csv,noheader; done) >"$OUT/big.mem" &
   MEMLOG=$!
-  # 7B fills the H200: segments that grow in place leave no unusable reserved memory (out of memory without)
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench big 330 --shapes qwen2.5-7b --processes 1
+  # 7B fills the H200: its switches grow the allocator's segments in place (megatron.expandable_segments)
+  bench big 330 --shapes qwen2.5-7b --processes 1
   kill $MEMLOG; echo "device memory used, every 20 s: $(tr '\n' ' ' <"$OUT/big.mem")"
 fi
 if has small; then

@@ -1,6 +1,8 @@
 """GPU checks (one CUDA device; skipped without one): the varlen FlashAttention path, bf16 training, offload
 and a mixture-of-experts critic."""
 
+import os
+
 import pytest
 import torch
 
@@ -404,6 +406,36 @@ def test_alternating_calls_keep_device_memory_flat():
     assert torch.cuda.memory_allocated() == allocated
     assert torch.cuda.memory_reserved() <= reserved
     worker.close()
+
+
+def test_expandable_segments_grow_the_critics_memory_in_place():
+    """megatron.expandable_segments=true: device memory allocated once the critic is built lies in segments
+    that grow in place, and the first step's loss is the one without (the allocator is not arithmetic)."""
+    from megacritic import CriticWorker, load_config
+    from megacritic.data.sources import SyntheticRollouts
+
+    def first_step(extra):
+        worker = CriticWorker(load_config(_small_critic(["model.dtype=bfloat16", PINNED_KERNEL, *extra])))
+        worker.init_model()
+        batch = SyntheticRollouts(worker.config).batch(0)
+        batch["values"] = worker.compute_values(batch)
+        loss = worker.update_critic(batch)["critic/vf_loss"][0]  # before any weight changed
+        expandable = [segment.get("is_expandable", False) for segment in torch.cuda.memory_snapshot()]
+        worker.close()
+        torch.cuda.empty_cache()
+        return loss, expandable
+
+    try:
+        plain_loss, plain = first_step([])
+        loss, expandable = first_step(["megatron.expandable_segments=true"])
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")  # the later tests' allocator
+    print(f"segments that grow in place: {sum(plain)} of {len(plain)} without, {sum(expandable)} of "
+          f"{len(expandable)} with; first loss {plain_loss} / {loss}")
+    if "expandable_segments:true" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
+        assert not any(plain)  # (unless the environment asks for them everywhere)
+    assert any(expandable)
+    assert loss == plain_loss
 
 
 def _small_critic(extra):

@@ -50,10 +50,12 @@ CPU_TOKEN_BUDGET = 512
 # the MLPs drops their saved fc1 and SwiGLU outputs (6 x FFN bytes per token and layer, 48.6 GiB), leaving
 # 18.4 GiB, plus ~2.9 GiB to recompute one layer's MLP in backward: ~113.5 GiB predicted at the peak. Full
 # recompute (the fallback: --set megatron.recompute_granularity=full --set megatron.recompute_method=uniform
-# --set megatron.recompute_num_layers=1) would keep ~3.3 GiB of layer inputs. HF's bf16 AdamW with padded
-# micro-batches is not run at 7B.
+# --set megatron.recompute_num_layers=1) would keep ~3.3 GiB of layer inputs. Segments that grow in place
+# (megatron.expandable_segments) leave no reserved memory that no allocation fits: out of memory without.
+# HF's bf16 AdamW with padded micro-batches is not run at 7B.
 SHAPE_SWITCHES = {"qwen2.5-7b": ["optim.exp_avg_dtype=bfloat16", "optim.exp_avg_sq_dtype=bfloat16",
-                                 "megatron.recompute_granularity=selective", "megatron.recompute_modules=[mlp]"]}
+                                 "megatron.recompute_granularity=selective", "megatron.recompute_modules=[mlp]",
+                                 "megatron.expandable_segments=true"]}
 SHAPE_SYSTEMS = {"qwen2.5-7b": ("megacritic-packed",)}
 # megacritic-packed's own switches at a shape: at 0.5B the eager step is bound by the host (~1 s of host time
 # for ~0.46 s of GPU time per update), and the decoder replayed as CUDA graphs over packs padded to a multiple

@@ -244,6 +244,12 @@ class MegatronConfig:
     which only parks the state on the host between calls."""
     optimizer_offload_fraction: float = 1.0
     """Share of the parameters whose optimizer runs on the host with optimizer_cpu_offload (0 to 1]."""
+    expandable_segments: bool = False
+    """GPU only: PyTorch's caching allocator grows its memory segments in place (``expandable_segments``)
+    instead of reserving new fixed-size ones, so micro-batches of changing lengths do not fragment device
+    memory into reserved blocks no allocation fits. Set when the critic is built, for the whole process (a
+    model colocated in it too); off, PYTORCH_CUDA_ALLOC_CONF decides. A 7B critic on one H200 runs out of
+    memory without it (bench/NOTES.md)."""
 
 
 @dataclass
