@@ -64,7 +64,8 @@ class CriticWorker:
     def init_model(self) -> None:
         cfg, mg = self.config, self.config.megatron
         if mg.expandable_segments and torch.cuda.is_available():
-            # before the world's and the model's first allocations: every segment after this grows in place
+            # PYTORCH_CUDA_ALLOC_CONF's setting at run time, before the world's and the model's allocations:
+            # every segment reserved after this grows in place
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         # 1. Distributed world and Megatron's parallel state (checked before anything is built).
         self.setup_parallel()

@@ -34,10 +34,10 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 
 from megacritic import ConfigError, CriticWorker, load_config  # noqa: E402
 from megacritic.cli import init_hf  # noqa: E402
-from verl_ports import master_port_range  # noqa: E402
 from megacritic.config import TINY_MODEL_OVERRIDES  # noqa: E402
 from megacritic.integrations.verl import (  # noqa: E402
     config_from_verl, critic_config_from_verl, critic_worker_cls, verl_leaves, verl_rule)
+from verl_ports import master_port_range  # noqa: E402  (tests/integrations/verl_ports.py)
 
 SHIPPED = os.path.join(os.path.dirname(verl.__file__), "trainer", "config", "_generated_ppo_megatron_trainer.yaml")
 ROLLOUT_N = 2

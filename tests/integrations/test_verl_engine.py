@@ -36,7 +36,7 @@ from verl.workers.utils.losses import value_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
 
 from megacritic.cli import init_hf  # noqa: E402
-from verl_ports import master_port_range  # noqa: E402
+from verl_ports import master_port_range  # noqa: E402  (tests/integrations/verl_ports.py)
 
 SHIPPED = os.path.join(os.path.dirname(verl.__file__), "trainer", "config", "_generated_ppo_megatron_trainer.yaml")
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
