@@ -414,12 +414,10 @@ def norm_rows(shape, micro):
     paths.append(("layers.fused_rms_norm (what the layer runs here)", layers.fused_rms_norm))
     # norm_kernel's tile (elements), tiles per backward program and warps: each read at every launch
     from megacritic.model import norm_kernel
-    today = (norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS, norm_kernel.STAGES)
+    today = (norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS)
     configs = {}
-    for config in [(8192, 1, 8, 0), (4096, 4, 4, 0), (4096, 1, 4, 0), (2048, 4, 4, 0),
-                   (2048, 8, 4, 0), (16384, 2, 16, 0), (8192, 4, 8, 1), (8192, 4, 8, 2), (4096, 4, 4, 2),
-                   (4096, 8, 4, 3), (2048, 8, 4, 3)]:
-        name = f"norm_kernel, tile {config[0]}, {config[1]} a backward program, {config[2]} warps, {config[3]} stages"
+    for config in [(8192, 4, 8), (8192, 1, 8), (4096, 1, 4), (2048, 4, 4), (2048, 8, 4), (16384, 2, 16)]:
+        name = f"norm_kernel, tile {config[0]}, {config[1]} a backward program, {config[2]} warps"
         configs[name] = config
         paths.append((name, layers.fused_rms_norm))
     try:
@@ -440,7 +438,7 @@ def norm_rows(shape, micro):
 
     rows = []
     for name, fn in paths:
-        norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS, norm_kernel.STAGES = configs.get(name, today)
+        norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS = configs.get(name, today)
         run = pack_runner(lambda x, fn=fn: fn(x, weight, 1e-6), data, grads)
         try:
             for x in (*data, weight):
@@ -455,7 +453,7 @@ def norm_rows(shape, micro):
             rows += timed_pair("RMSNorm", name, run, diff)
         except Exception as e:  # noqa: BLE001 - report and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-    norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS, norm_kernel.STAGES = today
+    norm_kernel.TILE, norm_kernel.ROW_BLOCKS, norm_kernel.NUM_WARPS = today
     return rows
 
 

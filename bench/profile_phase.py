@@ -69,8 +69,8 @@ def main():
     for i in range(args.calls):
         for phase in phases:
             torch.cuda.synchronize()
-            start = time.perf_counter()
             before = torch.cuda.memory_stats()
+            start = time.perf_counter()
             calls[phase]()
             torch.cuda.synchronize()
             seconds = time.perf_counter() - start

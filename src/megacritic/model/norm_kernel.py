@@ -22,11 +22,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# elements of a tile, tiles per backward program, warps, and the backward loop's software-pipeline stages (0:
-# Triton's default for the loop; 1: none). The fastest of eleven at 1.5B and 3B (bench/kernel_probe.py --only
-# norm, H100, bench/NOTES.md): a forward and backward over an update's packs 0.725 / 0.932 ms against 0.814 /
-# 1.014 at 8,192 elements, 8 warps
-TILE, ROW_BLOCKS, NUM_WARPS, STAGES = 4096, 4, 4, 0
+# elements of a tile, tiles per backward program, warps: the fastest of eleven configurations at 1.5B and 3B
+# (bench/kernel_probe.py --only norm, H100, bench/NOTES.md "ninth session"; software-pipelining the backward's
+# loop did not help): a forward and backward over an update's packs 0.725 / 0.932 ms against 0.814 / 1.014
+# at 8,192 elements and 8 warps
+TILE, ROW_BLOCKS, NUM_WARPS = 4096, 4, 4
 
 
 @triton.jit
@@ -50,37 +50,24 @@ def _rms_norm_forward(x, w, y, rstd, t, n, stride, eps, BLOCK_M: tl.constexpr, B
 
 
 @triton.jit
-def _rms_norm_backward_tile(dy, x, rstd, dx, ws, t, n, stride, block, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    """One tile of rows: its input gradient stored, its share of the weight gradient returned."""
-    cols = tl.arange(0, BLOCK_N)
-    rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    mask = (rows < t)[:, None] & (cols < n)[None, :]
-    g = tl.load(dy + rows[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    xs = tl.load(x + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(rstd + rows, mask=rows < t, other=0.0)[:, None]
-    # eager's autograd: the normalised value's gradient dy * w and each token's dy * normed are rounded
-    m = (g * ws[None, :]).to(dx.dtype.element_ty).to(tl.float32)
-    normed = (xs * r).to(dx.dtype.element_ty).to(tl.float32)
-    dot = tl.reduce(m * xs, 1, _add)[:, None]
-    grad = r * m - r * (r * r) * (dot / n) * xs
-    tl.store(dx + rows[:, None] * n + cols[None, :], grad.to(dx.dtype.element_ty), mask=mask)
-    return tl.reduce((g * normed).to(dx.dtype.element_ty).to(tl.float32), 0, _add)
-
-
-@triton.jit
 def _rms_norm_backward(dy, x, w, rstd, dx, dw_parts, t, n, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       ROW_BLOCKS: tl.constexpr, STAGES: tl.constexpr):
+                       ROW_BLOCKS: tl.constexpr):
     cols = tl.arange(0, BLOCK_N)
     ws = tl.load(w + cols, mask=cols < n, other=0.0).to(tl.float32)
     dw = tl.full([BLOCK_N], 0.0, tl.float32)
-    first = tl.program_id(0) * ROW_BLOCKS
-    if STAGES == 0:  # the loop as Triton schedules it by default
-        for i in range(ROW_BLOCKS):
-            dw += _rms_norm_backward_tile(dy, x, rstd, dx, ws, t, n, stride, first + i, BLOCK_M, BLOCK_N)
-    else:
-        for i in tl.range(0, ROW_BLOCKS, num_stages=STAGES):
-            dw += _rms_norm_backward_tile(dy, x, rstd, dx, ws, t, n, stride, first + i, BLOCK_M, BLOCK_N)
+    for i in range(ROW_BLOCKS):
+        rows = ((tl.program_id(0) * ROW_BLOCKS + i) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask = (rows < t)[:, None] & (cols < n)[None, :]
+        g = tl.load(dy + rows[:, None] * n + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xs = tl.load(x + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(rstd + rows, mask=rows < t, other=0.0)[:, None]
+        # eager's autograd: the normalised value's gradient dy * w and each token's dy * normed are rounded
+        m = (g * ws[None, :]).to(dx.dtype.element_ty).to(tl.float32)
+        normed = (xs * r).to(dx.dtype.element_ty).to(tl.float32)
+        dw += tl.reduce((g * normed).to(dx.dtype.element_ty).to(tl.float32), 0, _add)
+        dot = tl.reduce(m * xs, 1, _add)[:, None]
+        grad = r * m - r * (r * r) * (dot / n) * xs
+        tl.store(dx + rows[:, None] * n + cols[None, :], grad.to(dx.dtype.element_ty), mask=mask)
     tl.store(dw_parts + tl.program_id(0) * n + cols, dw, mask=cols < n)
 
 
@@ -119,8 +106,7 @@ class RMSNormFunction(torch.autograd.Function):
         parts = torch.empty(programs, n, dtype=torch.float32, device=x.device)
         if t:
             _rms_norm_backward[(programs,)](dy, x, weight, rstd, dx, parts, t, n, x.stride(0), BLOCK_M=block_m,
-                                            BLOCK_N=block_n, ROW_BLOCKS=ROW_BLOCKS, STAGES=STAGES,
-                                            num_warps=NUM_WARPS)
+                                            BLOCK_N=block_n, ROW_BLOCKS=ROW_BLOCKS, num_warps=NUM_WARPS)
         return dx, parts.sum(0).to(weight.dtype), None
 
 
