@@ -33,6 +33,10 @@ Per object, applied where the object exists:
    the clipping and the skip of a non-finite step stay on the device, where upstream reads the norm on the
    host (:func:`megacritic.optim.step_on_device`; the same weights to the bit in
    ``tests/test_critic.py::test_steps_decided_on_the_device_equal_steps_decided_on_the_host``).
+9. The word embedding (Megatron's ``VocabParallelEmbedding``, which takes no module spec) given
+   :class:`megacritic.model.embedding.MainGradEmbedding`'s forward when the value model is built: its weight
+   gradient goes straight into DDP's ``main_grad`` instead of a dense [vocab, hidden] gradient per
+   micro-batch that DDP's hook then adds (:func:`~megacritic.model.embedding.lookup_into_main_grad`).
 
 ``tests/compat/test_compat.py`` lists every attribute :func:`apply` changes; a change to the list shows there.
 """

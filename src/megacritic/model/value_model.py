@@ -30,6 +30,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megacritic.compat.kernels import weight_grad_accumulation_available
 from megacritic.config.schema import (MegatronConfig, ModelConfig, expert_ffn_size, head_dim, is_moe,
                                       moe_layer_pattern, shared_expert_size)
+from megacritic.model.embedding import lookup_into_main_grad
 from megacritic.model.layers import CoreAttention, FusedQKVSelfAttention, GroupedExperts, RMSNorm, ValueHead
 from megacritic.parallel import ParallelLayout
 
@@ -231,6 +232,8 @@ class ValueModel(GPTModel):
             rope_scaling_factor=float(scaling["factor"]) if scaling is not None else 8.0,
             vp_stage=vp_stage,
         )
+        if pre_process:  # the embedding's weight gradient goes straight to DDP's buffer (megacritic.compat, 9)
+            lookup_into_main_grad(self.embedding.word_embeddings)
         if post_process:
             # GPTModel always builds a vocabulary projection; the critic swaps it for the value head
             # (the projection's memory is released here, before any optimizer state exists).
