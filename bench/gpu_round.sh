@@ -16,6 +16,7 @@
 #   qkv        bench/kernel_probe.py --only qkv,norm at 1.5B and 3B (QKV split + RoPE: Triton, compiled; RMSNorm) ~3
 #   norm       bench/kernel_probe.py --only norm,swiglu at 1.5B and 3B (RMSNorm: ours at several tiles, liger,
 #              quack; SwiGLU: Megatron's compiled, ours at several tiles)                               ~2.5
+#   mlp        bench/kernel_probe.py --only mlp at 1.5B and 3B: quack's SwiGLU-in-epilogue GEMMs against today's MLP ~2.5
 #   alloc      3B both phases, 4 calls, without and with megatron.expandable_segments=true           ~3.5
 #   multiple   0.5B with graphs, packs padded to multiples of 1,024 / 256 / 128 (MULTIPLES): both phases timed ~7
 #   multiple15 1.5B with graphs at a multiple of 128 tokens against 1.5B eager: both phases timed            ~6
@@ -46,7 +47,10 @@ export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 if [ ! -f /tmp/mcsite/.stamp ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/mcsite .whl/*.whl && touch /tmp/mcsite/.stamp
 fi
-eval "$(python3 .gpu/activate.py /tmp/fa4site)" || { echo "FA4 bundle did not unpack"; exit 3; }
+# A folder named site-packages: quack fingerprints its fused GEMMs' epilogues and treats functions of installed
+# packages as fixed only under such a path; elsewhere it walks into cutlass's internals and every gemm_act /
+# gemm_dact fails ("epilogue fn depends on <ContextVar _LOC_TRANSFORMS>": bench/NOTES.md, tenth session).
+eval "$(python3 .gpu/activate.py /tmp/fa4/site-packages)" || { echo "FA4 bundle did not unpack"; exit 3; }
 export PYTHONPATH=$PWD/src:/tmp/mcsite:$PYTHONPATH
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,driver_version --format=csv,noheader
 python3 -c "import torch, megatron.core, flash_attn.cute; print('torch', torch.__version__, 'megatron-core ok, FA4 ok', torch.cuda.get_device_capability())"
@@ -167,6 +171,13 @@ if has norm; then
     step "RMSNorm $shape"
     timeout "$(left 150)" python3 bench/kernel_probe.py --shape $shape --only norm,swiglu >"$OUT/norm-$shape.log" 2>&1
     echo "exit $?"; grep -avE "Warning|warn" "$OUT/norm-$shape.log" | grep -aE "forward|fwd|equal|Error|^torch" | cut -c1-200
+  done
+fi
+if has mlp; then  # quack's fused SwiGLU GEMMs (gemm_act / gemm_dact) against today's MLP, one layer over the packs
+  for shape in qwen2.5-1.5b qwen2.5-3b; do
+    step "MLP $shape"
+    timeout "$(left 150)" python3 bench/kernel_probe.py --shape $shape --only mlp >"$OUT/mlp-$shape.log" 2>&1
+    echo "exit $?"; grep -avE "Warning|warn" "$OUT/mlp-$shape.log" | grep -aE "MLP|GEMM|Error|^torch" | cut -c1-200
   done
 fi
 if has launch; then

@@ -507,7 +507,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=[s for s in SHAPES if s != "tiny"])
     parser.add_argument("--budget", type=int, default=16384)
-    parser.add_argument("--only", help="only these rows, comma-separated: qkv, norm, swiglu")
+    parser.add_argument("--only", help="only these rows, comma-separated: qkv, norm, swiglu, mlp")
     parser.add_argument("--cudnn", action="store_true",
                         help="also cuDNN attention (its ragged path is experimental in PyTorch: run it apart)")
     args = parser.parse_args()
@@ -517,7 +517,10 @@ def main():
     if args.only:
         print(f"{'what':30} {'path':45} {'wall ms':>9} {'GPU ms':>9} {'max diff':>9}")
         for part in args.only.split(","):
-            {"qkv": qkv_rows, "norm": norm_rows, "swiglu": swiglu_rows}[part](shape, micro)
+            rows = {"qkv": qkv_rows, "norm": norm_rows, "swiglu": swiglu_rows, "mlp": mlp_rows}[part](shape, micro)
+            if part == "mlp":  # its rows, failures included, in one table (ms per layer over all packs)
+                for what, path, t, diff in rows:
+                    print(f"{what:30} {path:45} {t * 1e3:9.3f} {'':>9} {diff:9.2e}")
         return
     rows = mlp_rows(shape, micro) + rope_rows(shape, micro) + wgrad_rows(shape, micro) + attention_rows(
         shape, micro, args.cudnn)
