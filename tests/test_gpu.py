@@ -553,6 +553,103 @@ def test_swiglu_kernel_is_megatrons_compiled_arithmetic():
     assert torch.equal(mlp.bias_swiglu_impl(x, None, False, False), got[0])
 
 
+def _quack_available():
+    from megacritic.model.mlp_kernel import quack_available
+    return quack_available()
+
+
+needs_quack = pytest.mark.skipif(not torch.cuda.is_available() or not _quack_available(),
+                                 reason="needs quack-kernels (megacritic[hopper])")
+
+
+@needs_quack
+def test_fused_mlp_matches_float64_and_megatrons_path():
+    """megacritic.model.mlp_kernel (model.fused_mlp) at a 1.5B layer's shapes, bf16: the output, the input's
+    gradient and both weight gradients (accumulated into float32 main_grad) within bf16 rounding of float64,
+    no further from it than Megatron's path (cuBLAS, SwiGLU kernel, float32 weight-gradient GEMMs); the
+    forward without autograd gives the same bits; two runs give the same bits."""
+    from megacritic.model.mlp_kernel import swiglu_mlp
+    from megacritic.model.swiglu_kernel import swiglu
+
+    torch.manual_seed(0)
+    t, h, f = 4099, 1536, 8960
+    x0 = torch.randn(t, h, device="cuda").bfloat16()
+    w10 = (torch.randn(2 * f, h, device="cuda") / h ** 0.5).bfloat16()
+    w20 = (torch.randn(h, f, device="cuda") / f ** 0.5).bfloat16()
+    dout = torch.randn(t, h, device="cuda").bfloat16()
+    start1, start2 = torch.randn(2 * f, h, device="cuda"), torch.randn(h, f, device="cuda")
+
+    def run(fn):
+        x = x0.clone().requires_grad_()
+        w1, w2 = torch.nn.Parameter(w10.clone()), torch.nn.Parameter(w20.clone())
+        for w, start in ((w1, start1), (w2, start2)):
+            w.main_grad, w.grad_added_to_main_grad = start.clone(), False
+        out = fn(x, w1, w2)
+        out.backward(dout)
+        assert w1.grad_added_to_main_grad and w2.grad_added_to_main_grad
+        return out.detach(), x.grad, w1.main_grad - start1, w2.main_grad - start2
+
+    def megatron_path(x, w1, w2):  # what Megatron's MLP runs under model.use_fused_kernels, gradients included
+        class Path(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, w1, w2):
+                ctx.save_for_backward(x, w1, w2)
+                return swiglu(x @ w1.t()) @ w2.t()
+
+            @staticmethod
+            def backward(ctx, g):
+                x, w1, w2 = ctx.saved_tensors
+                with torch.enable_grad():
+                    y = (x @ w1.t()).detach().requires_grad_()
+                    a = swiglu(y)
+                    a.backward(g @ w2)
+                torch.addmm(w2.main_grad, g.t(), a.detach(), out_dtype=torch.float32, out=w2.main_grad)
+                torch.addmm(w1.main_grad, y.grad.t(), x, out_dtype=torch.float32, out=w1.main_grad)
+                w1.grad_added_to_main_grad = w2.grad_added_to_main_grad = True
+                return y.grad @ w1, torch.empty_like(w1), torch.empty_like(w2)
+        return Path.apply(x, w1, w2)
+
+    def exact():
+        x, w1, w2 = (v.double().requires_grad_() for v in (x0, w10, w20))
+        y = x @ w1.t()
+        out = (torch.nn.functional.silu(y[:, :f]) * y[:, f:]) @ w2.t()
+        out.backward(dout.double())
+        return out.detach(), x.grad, w1.grad, w2.grad
+
+    got = run(swiglu_mlp)
+    assert all(torch.equal(a, b) for a, b in zip(got, run(swiglu_mlp)))
+    with torch.no_grad():
+        assert torch.equal(swiglu_mlp(x0, w10, w20), got[0])
+    ref, want = run(megatron_path), exact()
+    report = {name: (_rel(g, w), _rel(r, w)) for name, g, r, w in
+              zip(("out", "dx", "dw1", "dw2"), got, ref, want)}
+    print(report)
+    for name, (ours, megatron) in report.items():
+        assert ours < 1e-2 and ours < 1.5 * megatron + 1e-4, (name, report)
+
+
+@needs_quack
+def test_fused_mlp_critic_trains_like_megatrons_mlp(monkeypatch):
+    """The critic with model.fused_mlp against without: values, losses and grad norms within bf16 rounding
+    (and the fused path really ran: its MLPs did not fall back to Megatron's)."""
+    from megacritic.model import mlp_kernel
+
+    calls = []
+    fused = mlp_kernel.swiglu_mlp
+    monkeypatch.setattr(mlp_kernel, "swiglu_mlp", lambda *args: calls.append(1) or fused(*args))
+    vf, mf, af, _ = _critic_run(["model.fused_mlp=true"])
+    assert calls
+    calls.clear()
+    vm, mm, am, _ = _critic_run([])
+    assert not calls
+    report = {"values": _rel(vf, vm), "values after a step": _rel(af, am)}
+    for key in ("critic/vf_loss", "critic/grad_norm"):
+        report[key] = max(abs(x - y) / abs(y) for x, y in zip(mf[0][key], mm[0][key]))
+    print(report)
+    assert report["values"] < 1e-2 and report["values after a step"] < 2e-2, report
+    assert report["critic/vf_loss"] < 1e-2 and report["critic/grad_norm"] < 2e-2, report
+
+
 def test_compiled_rope_matches_float64_rotation():
     """The compiled RoPE of packed micro-batches (float32 inside, one rounding) against the rotation in
     float64, forward and backward, in bf16: within bf16 rounding of the inputs."""

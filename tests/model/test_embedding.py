@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from megacritic import CriticWorker, load_config
 from megacritic.config import TINY_MODEL_OVERRIDES
 from megacritic.data.sources import SyntheticRollouts
-from megacritic.model.embedding import MainGradEmbedding, _LookupIntoMainGrad, accumulates_into_main_grad
+from megacritic.model.embedding import MainGradEmbedding, _LookupIntoMainGrad
+from megacritic.model.grad_buffer import accumulates_into_main_grad
 
 VOCAB, HIDDEN = 64, 24
 

@@ -20,11 +20,7 @@ from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import (reduce_from_tensor_model_parallel_region,
                                                     reduce_scatter_to_sequence_parallel_region)
 
-
-def accumulates_into_main_grad(weight: torch.Tensor) -> bool:
-    """Whether ``weight``'s gradient can go straight to its gradient buffer: it trains and Megatron's DDP gave
-    it ``main_grad`` and the ``grad_added_to_main_grad`` flag its hook reads."""
-    return weight.requires_grad and hasattr(weight, "main_grad") and hasattr(weight, "grad_added_to_main_grad")
+from megacritic.model.grad_buffer import accumulates_into_main_grad, added_to_main_grad
 
 
 class _LookupIntoMainGrad(torch.autograd.Function):
@@ -41,13 +37,7 @@ class _LookupIntoMainGrad(torch.autograd.Function):
         main_grad = weight.main_grad
         main_grad.index_put_((ids.reshape(-1),), grad_output.reshape(-1, main_grad.shape[-1]).to(main_grad.dtype),
                              accumulate=True)
-        weight.grad_added_to_main_grad = True
-        # Autograd still needs a gradient of the weight's shape, so that DDP's hook (on the weight's gradient
-        # accumulator) runs, on this thread, and marks the gradient ready for overlapped reduction; as in
-        # Megatron's linear layers it is uninitialised memory that the hook drops unread.
-        if getattr(weight, "zero_out_wgrad", False):
-            return None, torch.zeros_like(weight)
-        return None, torch.empty_like(weight)
+        return None, added_to_main_grad(weight)
 
 
 class MainGradEmbedding(VocabParallelEmbedding):

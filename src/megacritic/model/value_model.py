@@ -28,9 +28,11 @@ from megatron.core.transformer.transformer_layer import (TransformerLayer, Trans
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megacritic.compat.kernels import weight_grad_accumulation_available
+from megacritic.config import ConfigError
 from megacritic.config.schema import (MegatronConfig, ModelConfig, expert_ffn_size, head_dim, is_moe,
                                       moe_layer_pattern, shared_expert_size)
 from megacritic.model.embedding import lookup_into_main_grad
+from megacritic.model.mlp_kernel import FusedSwiGLUMLP, quack_available
 from megacritic.model.layers import CoreAttention, FusedQKVSelfAttention, GroupedExperts, RMSNorm, ValueHead
 from megacritic.parallel import ParallelLayout
 
@@ -165,10 +167,11 @@ def moe_spec(shared_expert: bool, fused: bool = False) -> ModuleSpec:
 
 
 def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused: bool = False,
-               attention_impl: str = "auto") -> ModuleSpec:
+               attention_impl: str = "auto", fused_mlp: bool = False) -> ModuleSpec:
     """A Llama / Qwen2 / Qwen3 decoder layer built from Megatron modules, with our attention and norm
     (also over each query and key head with ``qk_layernorm``); ``moe`` replaces the dense MLP; ``fused``:
-    compiled norms and the Triton QKV split / RoPE on GPU; ``attention_impl``: model.attention_impl."""
+    compiled norms and the Triton QKV split / RoPE on GPU; ``attention_impl``: model.attention_impl;
+    ``fused_mlp``: the dense MLP's SwiGLU inside its GEMMs on GPU (model.fused_mlp)."""
     norm = norm_spec(fused)
     qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
@@ -188,7 +191,7 @@ def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=moe or ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            mlp=moe or ModuleSpec(module=FusedSwiGLUMLP if fused_mlp else MLP, submodules=MLPSubmodules(
                 linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
         ),
@@ -209,7 +212,10 @@ class ValueModel(GPTModel):
         fused = config.bias_activation_fusion  # use_fused_kernels on GPU (transformer_config)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         impl = model.attention_impl
-        dense = layer_spec(model.qk_layernorm, fused=fused, attention_impl=impl)
+        if model.fused_mlp and torch.cuda.is_available() and not quack_available():
+            raise ConfigError("model.fused_mlp=true needs quack-kernels on the GPU (pip install "
+                              "'megacritic[hopper]'), which does not import here")
+        dense = layer_spec(model.qk_layernorm, fused=fused, attention_impl=impl, fused_mlp=model.fused_mlp)
         moe = layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0, fused), fused=fused,
                          attention_impl=impl)
         pattern = moe_layer_pattern(model)[offset:offset + layers]
