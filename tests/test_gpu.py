@@ -637,10 +637,10 @@ def test_fused_mlp_critic_trains_like_megatrons_mlp(monkeypatch):
     calls = []
     fused = mlp_kernel.swiglu_mlp
     monkeypatch.setattr(mlp_kernel, "swiglu_mlp", lambda *args: calls.append(1) or fused(*args))
-    vf, mf, af, _ = _critic_run(["model.fused_mlp=true"])
+    vf, mf, af, _ = _critic_run([])  # on by default
     assert calls
     calls.clear()
-    vm, mm, am, _ = _critic_run([])
+    vm, mm, am, _ = _critic_run(["model.fused_mlp=false"])
     assert not calls
     report = {"values": _rel(vf, vm), "values after a step": _rel(af, am)}
     for key in ("critic/vf_loss", "critic/grad_norm"):

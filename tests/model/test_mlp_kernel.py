@@ -1,14 +1,18 @@
-"""model.fused_mlp (megacritic.model.mlp_kernel): where quack's fused GEMMs cannot run (here: the CPU) the
-MLP is Megatron's, bit for bit; the settings it cannot serve are refused before anything is built. Its GPU
-arithmetic is tests/test_gpu.py's (test_fused_mlp_*)."""
+"""model.fused_mlp (megacritic.model.mlp_kernel): which models take it, and that where quack's fused GEMMs do
+not run (here: the CPU) the MLP is Megatron's, bit for bit. Its GPU arithmetic is tests/test_gpu.py's
+(test_fused_mlp_*)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megacritic import CriticWorker, load_config
-from megacritic.config import TINY_MODEL_OVERRIDES, ConfigError
+from megacritic.config import TINY_MODEL_OVERRIDES
 from megacritic.data.sources import SyntheticRollouts
+from megacritic.model import mlp_kernel
 from megacritic.model.mlp_kernel import FusedSwiGLUMLP
+from megacritic.model.value_model import fused_mlp_runs
 
 BASE = [*TINY_MODEL_OVERRIDES, "data.rollouts_per_step=8", "ppo_mini_batch_size=4", "use_dynamic_bsz=true",
         "ppo_max_token_len_per_gpu=64", "model.num_hidden_layers=2", "data.response_length=[2,20]",
@@ -19,31 +23,49 @@ def _run(extra):
     worker = CriticWorker(load_config(BASE + extra))
     worker.init_model()
     try:
-        mlps = [m for chunk in worker.state.model for m in chunk.modules() if type(m).__name__.endswith("MLP")]
+        fused = [m for chunk in worker.state.model for m in chunk.modules() if isinstance(m, FusedSwiGLUMLP)]
         batch = SyntheticRollouts(worker.config).batch(0)
         batch["values"] = worker.compute_values(batch)
         metrics = worker.update_critic(batch)
         weights = [p.detach().clone() for chunk in worker.state.model for p in chunk.parameters()]
-        return mlps, batch["values"], metrics, weights
+        return fused, batch["values"], metrics, weights
     finally:
         worker.close()
 
 
-def test_fused_mlp_on_the_cpu_is_megatrons_mlp():
-    mlps, values, metrics, weights = _run(["model.fused_mlp=true"])
-    assert mlps and all(isinstance(m, FusedSwiGLUMLP) for m in mlps)
-    ref_mlps, ref_values, ref_metrics, ref_weights = _run([])
-    assert not any(isinstance(m, FusedSwiGLUMLP) for m in ref_mlps)
+def test_on_the_cpu_the_mlp_is_megatrons():
+    assert load_config(BASE).model.fused_mlp  # on by default
+    fused, values, metrics, weights = _run([])
+    assert not fused
+    _, ref_values, ref_metrics, ref_weights = _run(["model.fused_mlp=false"])
     assert torch.equal(values, ref_values)
     assert metrics["critic/vf_loss"] == ref_metrics["critic/vf_loss"]
     assert all(torch.equal(w, r) for w, r in zip(weights, ref_weights))
 
 
-@pytest.mark.parametrize("extra,match", [
-    (["megatron.tensor_model_parallel_size=2"], "tensor_model_parallel_size=1"),
-    (["model.cuda_graphs=true"], "cuda_graphs"),
+def _config(**over):
+    model = SimpleNamespace(fused_mlp=True, cuda_graphs=False)
+    config = SimpleNamespace(bias_activation_fusion=True, tensor_model_parallel_size=1, sequence_parallel=False)
+    for key, value in over.items():
+        setattr(model if hasattr(model, key) else config, key, value)
+    return model, config
+
+
+@pytest.mark.parametrize("over,runs", [
+    ({}, True),
+    ({"fused_mlp": False}, False),
+    ({"bias_activation_fusion": False}, False),  # use_fused_kernels off, or the CPU
+    ({"tensor_model_parallel_size": 2}, False),
+    ({"sequence_parallel": True}, False),
+    ({"cuda_graphs": True}, False),
 ])
-def test_fused_mlp_refuses_what_it_cannot_serve(extra, match):
-    with pytest.raises(ConfigError, match=match) as e:
-        load_config(BASE + ["model.fused_mlp=true", *extra])
-    assert "model.fused_mlp" in str(e.value)
+def test_which_models_take_the_fused_mlp(monkeypatch, over, runs):
+    monkeypatch.setattr(mlp_kernel, "gpu_problem", lambda: None)  # a Hopper GPU with quack
+    assert fused_mlp_runs(*_config(**over)) is runs
+
+
+def test_without_its_gpu_the_mlp_is_megatrons_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(mlp_kernel, "gpu_problem", lambda: "quack-kernels does not import")
+    with caplog.at_level("INFO", logger="megacritic.model.value_model"):
+        assert not fused_mlp_runs(*_config())
+    assert "quack-kernels does not import" in caplog.text

@@ -142,13 +142,14 @@ class ModelConfig:
     kernel and, for mixture-of-experts models in bf16, each expert projection as one grouped GEMM, instead of their
     eager / multi-tensor / per-expert versions (same arithmetic, fewer kernels and passes over memory;
     figures in bench/NOTES.md). No effect on CPU."""
-    fused_mlp: bool = False
-    """On GPU: each dense MLP's SwiGLU inside its GEMMs (megacritic.model.mlp_kernel): fc1 and the activation
-    as one quack GEMM, the activation's derivative inside fc2's input-gradient GEMM, the activation
-    recomputed there instead of kept (less activation memory). Needs quack-kernels (the ``megacritic[hopper]``
-    extra), bf16 or fp16 and tensor-parallel size 1; not with cuda_graphs. The activation is taken from fc1's
-    float32 accumulator instead of its bf16 rounding: outputs agree with Megatron's MLP within bf16 rounding.
-    Off by default until measured (bench/NOTES.md). No effect on CPU."""
+    fused_mlp: bool = True
+    """With use_fused_kernels on a Hopper GPU: each dense MLP's SwiGLU inside its GEMMs
+    (megacritic.model.mlp_kernel, quack's GEMMs: the ``megacritic[hopper]`` extra): fc1 and the activation as
+    one GEMM, the activation's derivative inside fc2's input-gradient GEMM, where the activation is recomputed
+    instead of kept (less activation memory). compute_values -10% at 1.5B and 3B, update_critic -2% at 1.5B on
+    an H100 (bench/NOTES.md). The activation is taken from fc1's float32 accumulator instead of its bf16
+    rounding: outputs agree with Megatron's MLP within bf16 rounding. Megatron's MLP instead with tensor
+    parallelism, cuda_graphs, float32, or where quack or the GPU is not there (logged). No effect on CPU."""
     attention_impl: str = "auto"
     """Attention kernel of packed micro-batches on GPU: fa4 (FlashAttention-4, ``flash_attn.cute``, Hopper and
     Blackwell; the ``megacritic[hopper]`` extra), fa2 (FlashAttention-2 through torch's ``varlen_attn``), sdpa
@@ -682,13 +683,6 @@ def validate(config: CriticConfig) -> None:
         fail("model.attention_impl", m.attention_impl, f"choose one of {', '.join(ATTENTION_IMPLS)}")
     if m.cuda_graphs:
         _check_cuda_graphs(config)
-    if m.fused_mlp:
-        if mg.tensor_model_parallel_size > 1:
-            fail("model.fused_mlp", True, "needs megatron.tensor_model_parallel_size=1 (fc1 and fc2 run as "
-                 "whole matrices, without tensor-parallel communication)")
-        if m.cuda_graphs:
-            fail("model.fused_mlp", True, "cannot be combined with model.cuda_graphs (its kernels are not yet "
-                 "tested inside a CUDA graph capture)")
     if mg.recompute_granularity is not None:
         if mg.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             fail("megatron.recompute_granularity", mg.recompute_granularity,

@@ -24,8 +24,10 @@ Megatron's kernel, and fc1's weight gradient is accumulated into float32 ``main_
 Outputs agree with Megatron's MLP within bf16 rounding (GPU-tested). quack's heuristic tile configurations
 (``tuned=False``): its autotuner keys on the token count, which changes with every pack.
 
-Where it runs: CUDA, bf16 or fp16, tensor-parallel size 1, no bias, SwiGLU (``gated_linear_unit`` with silu),
-no per-token scale, quack-kernels importable (the ``megacritic[hopper]`` extra); elsewhere Megatron's MLP.
+Where it runs: a Hopper GPU with quack-kernels (the ``megacritic[hopper]`` extra) and use_fused_kernels, bf16
+or fp16, tensor-parallel size 1, no CUDA graphs, no bias, SwiGLU (``gated_linear_unit`` with silu), no
+per-token scale; elsewhere Megatron's MLP (``megacritic.model.value_model`` decides per model, ``runs_fused``
+per call).
 """
 
 from __future__ import annotations
@@ -49,6 +51,19 @@ def quack_available() -> bool:
     except Exception:  # noqa: BLE001 - any import failure (no package, no CUDA DSL runtime) means "not here"
         return False
     return True
+
+
+def gpu_problem() -> str | None:
+    """Why the fused MLP cannot run on this process' GPU, or None: measured and tested on Hopper (9.x) only,
+    and it needs quack-kernels."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 9:
+        return f"{torch.cuda.get_device_name()} has compute capability {major}.{minor}; tested on 9.x (Hopper)"
+    if not quack_available():
+        return "quack-kernels does not import (pip install 'megacritic[hopper]')"
+    return None
 
 
 def _weight_grad(weight: Tensor, a: Tensor, b: Tensor, concat: bool) -> Tensor:

@@ -9,6 +9,7 @@ head on the last stage.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +29,15 @@ from megatron.core.transformer.transformer_layer import (TransformerLayer, Trans
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megacritic.compat.kernels import weight_grad_accumulation_available
-from megacritic.config import ConfigError
 from megacritic.config.schema import (MegatronConfig, ModelConfig, expert_ffn_size, head_dim, is_moe,
                                       moe_layer_pattern, shared_expert_size)
 from megacritic.model.embedding import lookup_into_main_grad
-from megacritic.model.mlp_kernel import FusedSwiGLUMLP, quack_available
+from megacritic.model import mlp_kernel
+from megacritic.model.mlp_kernel import FusedSwiGLUMLP
 from megacritic.model.layers import CoreAttention, FusedQKVSelfAttention, GroupedExperts, RMSNorm, ValueHead
 from megacritic.parallel import ParallelLayout
+
+log = logging.getLogger(__name__)
 
 def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
     """TransformerConfig fields of the MoE layers, set so that they compute what Hugging Face's Qwen2-MoE /
@@ -198,6 +201,19 @@ def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused:
     )
 
 
+def fused_mlp_runs(model: ModelConfig, config: TransformerConfig) -> bool:
+    """Whether the dense MLPs take megacritic.model.mlp_kernel (model.fused_mlp): with the fused kernels on a
+    GPU (use_fused_kernels), tensor-parallel size 1, no CUDA graphs, on a GPU it runs on; else Megatron's MLP
+    (logged where only the GPU or the install stands in the way)."""
+    if not (model.fused_mlp and config.bias_activation_fusion and config.tensor_model_parallel_size == 1
+            and not config.sequence_parallel and not model.cuda_graphs):
+        return False
+    problem = mlp_kernel.gpu_problem()
+    if problem:
+        log.info("model.fused_mlp: Megatron's MLP instead (%s)", problem)
+    return problem is None
+
+
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """Megatron's vocab-parallel embedding needs a vocabulary divisible by TP; extra rows stay unused."""
     return -(-vocab_size // tp) * tp
@@ -212,10 +228,8 @@ class ValueModel(GPTModel):
         fused = config.bias_activation_fusion  # use_fused_kernels on GPU (transformer_config)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         impl = model.attention_impl
-        if model.fused_mlp and torch.cuda.is_available() and not quack_available():
-            raise ConfigError("model.fused_mlp=true needs quack-kernels on the GPU (pip install "
-                              "'megacritic[hopper]'), which does not import here")
-        dense = layer_spec(model.qk_layernorm, fused=fused, attention_impl=impl, fused_mlp=model.fused_mlp)
+        dense = layer_spec(model.qk_layernorm, fused=fused, attention_impl=impl,
+                           fused_mlp=fused_mlp_runs(model, config))
         moe = layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0, fused), fused=fused,
                          attention_impl=impl)
         pattern = moe_layer_pattern(model)[offset:offset + layers]
