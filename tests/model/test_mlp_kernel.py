@@ -69,3 +69,21 @@ def test_without_its_gpu_the_mlp_is_megatrons_and_says_why(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="megacritic.model.value_model"):
         assert not fused_mlp_runs(*_config())
     assert "quack-kernels does not import" in caplog.text
+
+
+def test_use_fused_mlp_changes_only_the_dense_mlps_and_keeps_megatrons_arithmetic_on_the_cpu():
+    """Installed on a CPU model (runs_fused then declines every call): the dense MLPs become FusedSwiGLUMLP,
+    parameters and their names stay, and the critic computes what it computed before, bit for bit."""
+    worker = CriticWorker(load_config(BASE))
+    worker.init_model()
+    try:
+        batch = SyntheticRollouts(worker.config).batch(0)
+        before = worker.compute_values(batch)
+        chunk = worker.state.model[0].module
+        names = [n for n, _ in chunk.named_parameters()]
+        assert mlp_kernel.use_fused_mlp(chunk) == 2  # model.num_hidden_layers=2
+        assert [n for n, _ in chunk.named_parameters()] == names
+        assert all(type(layer.mlp) is FusedSwiGLUMLP for layer in chunk.decoder.layers)
+        assert torch.equal(worker.compute_values(batch), before)
+    finally:
+        worker.close()

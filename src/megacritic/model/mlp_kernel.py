@@ -135,3 +135,14 @@ class FusedSwiGLUMLP(MLP):
         if not self.runs_fused(hidden_states, per_token_scale):
             return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
         return swiglu_mlp(hidden_states, self.linear_fc1.weight, self.linear_fc2.weight), None
+
+
+def use_fused_mlp(model: torch.nn.Module) -> int:
+    """Give every dense MLP of ``model`` (exactly Megatron's ``MLP``: not experts, not shared experts)
+    :class:`FusedSwiGLUMLP`'s forward; the number changed. After the model is built, not through the layer
+    spec: Megatron's TransformerLayer hands its tensor-parallel group only to a module that is exactly
+    ``MLP`` (and warns for any other)."""
+    mlps = [m for m in model.modules() if type(m) is MLP]
+    for m in mlps:
+        m.__class__ = FusedSwiGLUMLP
+    return len(mlps)

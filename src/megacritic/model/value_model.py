@@ -33,7 +33,6 @@ from megacritic.config.schema import (MegatronConfig, ModelConfig, expert_ffn_si
                                       moe_layer_pattern, shared_expert_size)
 from megacritic.model.embedding import lookup_into_main_grad
 from megacritic.model import mlp_kernel
-from megacritic.model.mlp_kernel import FusedSwiGLUMLP
 from megacritic.model.layers import CoreAttention, FusedQKVSelfAttention, GroupedExperts, RMSNorm, ValueHead
 from megacritic.parallel import ParallelLayout
 
@@ -170,11 +169,10 @@ def moe_spec(shared_expert: bool, fused: bool = False) -> ModuleSpec:
 
 
 def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused: bool = False,
-               attention_impl: str = "auto", fused_mlp: bool = False) -> ModuleSpec:
+               attention_impl: str = "auto") -> ModuleSpec:
     """A Llama / Qwen2 / Qwen3 decoder layer built from Megatron modules, with our attention and norm
     (also over each query and key head with ``qk_layernorm``); ``moe`` replaces the dense MLP; ``fused``:
-    compiled norms and the Triton QKV split / RoPE on GPU; ``attention_impl``: model.attention_impl;
-    ``fused_mlp``: the dense MLP's SwiGLU inside its GEMMs on GPU (model.fused_mlp)."""
+    compiled norms and the Triton QKV split / RoPE on GPU; ``attention_impl``: model.attention_impl."""
     norm = norm_spec(fused)
     qk_norm = norm if qk_layernorm else IdentityOp
     return ModuleSpec(
@@ -194,7 +192,7 @@ def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=norm,
-            mlp=moe or ModuleSpec(module=FusedSwiGLUMLP if fused_mlp else MLP, submodules=MLPSubmodules(
+            mlp=moe or ModuleSpec(module=MLP, submodules=MLPSubmodules(
                 linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
             mlp_bda=get_bias_dropout_add,
         ),
@@ -228,8 +226,7 @@ class ValueModel(GPTModel):
         fused = config.bias_activation_fusion  # use_fused_kernels on GPU (transformer_config)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         impl = model.attention_impl
-        dense = layer_spec(model.qk_layernorm, fused=fused, attention_impl=impl,
-                           fused_mlp=fused_mlp_runs(model, config))
+        dense = layer_spec(model.qk_layernorm, fused=fused, attention_impl=impl)
         moe = layer_spec(model.qk_layernorm, moe_spec(shared_expert_size(model) > 0, fused), fused=fused,
                          attention_impl=impl)
         pattern = moe_layer_pattern(model)[offset:offset + layers]
@@ -254,6 +251,8 @@ class ValueModel(GPTModel):
         )
         if pre_process:  # the embedding's weight gradient goes straight to DDP's buffer (megacritic.compat, 9)
             lookup_into_main_grad(self.embedding.word_embeddings)
+        if fused_mlp_runs(model, config):  # the dense MLPs' SwiGLU inside their GEMMs (model.fused_mlp)
+            mlp_kernel.use_fused_mlp(self.decoder)
         if post_process:
             # GPTModel always builds a vocabulary projection; the critic swaps it for the value head
             # (the projection's memory is released here, before any optimizer state exists).
