@@ -37,6 +37,11 @@ Per object, applied where the object exists:
    :class:`megacritic.model.embedding.MainGradEmbedding`'s forward when the value model is built: its weight
    gradient goes straight into DDP's ``main_grad`` instead of a dense [vocab, hidden] gradient per
    micro-batch that DDP's hook then adds (:func:`~megacritic.model.embedding.lookup_into_main_grad`).
+10. With ``model.fused_mlp`` where it runs: every dense ``MLP`` of the value model given
+    :class:`megacritic.model.mlp_kernel.FusedSwiGLUMLP`'s forward when the model is built (the SwiGLU inside
+    quack's GEMMs; :func:`~megacritic.model.mlp_kernel.use_fused_mlp`). After construction rather than through
+    the layer spec, because Megatron's TransformerLayer passes its tensor-parallel group only to a module that
+    is exactly ``MLP``.
 
 ``tests/compat/test_compat.py`` lists every attribute :func:`apply` changes; a change to the list shows there.
 """

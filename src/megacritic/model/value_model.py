@@ -31,12 +31,13 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megacritic.compat.kernels import weight_grad_accumulation_available
 from megacritic.config.schema import (MegatronConfig, ModelConfig, expert_ffn_size, head_dim, is_moe,
                                       moe_layer_pattern, shared_expert_size)
-from megacritic.model.embedding import lookup_into_main_grad
 from megacritic.model import mlp_kernel
+from megacritic.model.embedding import lookup_into_main_grad
 from megacritic.model.layers import CoreAttention, FusedQKVSelfAttention, GroupedExperts, RMSNorm, ValueHead
 from megacritic.parallel import ParallelLayout
 
 log = logging.getLogger(__name__)
+
 
 def moe_options(model: ModelConfig, ep: int, etp: int | None) -> dict:
     """TransformerConfig fields of the MoE layers, set so that they compute what Hugging Face's Qwen2-MoE /
