@@ -69,16 +69,19 @@ def megacritic_kernels(worker) -> dict:
     """The kernels a built critic runs: attention of packed micro-batches, RMSNorm, SwiGLU, optimizer."""
     from megacritic.compat.kernels import triton_swiglu_installed
     from megacritic.model.layers import RMSNorm, attention_impl_of
+    from megacritic.model.mlp_kernel import FusedSwiGLUMLP
 
     chunks = worker.state.model
     config = chunks[0].config
     norms = {m.fused and m.weight.is_cuda for chunk in chunks for m in chunk.modules() if isinstance(m, RMSNorm)}
+    fused_mlp = any(isinstance(m, FusedSwiGLUMLP) for chunk in chunks for m in chunk.modules())
     mg, o = worker.config.megatron, worker.config.optim
     moments = "" if (o.exp_avg_dtype, o.exp_avg_sq_dtype) == ("float32", "float32") else (
         f":moments-{o.exp_avg_dtype}-{o.exp_avg_sq_dtype}")
     return {"attention": attention_impl_of(chunks) if worker.config.model.use_remove_padding else "sdpa (padded)",
             "norm": "compiled" if norms == {True} else "eager",
-            "swiglu": ("eager" if not config.bias_activation_fusion
+            "swiglu": ("quack-gemm-epilogue" if fused_mlp  # model.fused_mlp: inside the MLP's GEMMs
+                       else "eager" if not config.bias_activation_fusion
                        else "megacritic-triton" if triton_swiglu_installed() else "megatron-fused"),
             "recompute": config.recompute_granularity and (
                 f"{config.recompute_granularity}:{','.join(config.recompute_modules)}"
