@@ -858,18 +858,25 @@ def test_moe_critic_runs_on_the_gpu_in_both_precisions():
 def test_cuda_graphs_replay_what_the_same_packs_compute_eagerly(impl):
     """model.cuda_graphs: the captured forward and backward run the kernels the eager decoder runs on the
     same fixed-shape packs, so with megatron.full_determinism the values, metrics and values after two
-    updates equal the eager run's to the bit; and they were replayed (captured once per mode)."""
+    updates equal the eager run's to the bit; and they were replayed (captured once per mode). Where quack is
+    installed the captured MLPs are model.fused_mlp's (its GEMMs inside the graphs)."""
+    from megacritic.model import mlp_kernel
     from megacritic.model.cuda_graphs import DecoderGraphs
 
     graphs = [f"model.attention_impl={impl}", "model.cuda_graphs=true", "megatron.full_determinism=true"]
+    calls = []
+    fused = mlp_kernel.swiglu_mlp
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(DecoderGraphs, "_fits", lambda *args: False)
             eager = _critic_run(graphs, steps=2)
-        replayed = _critic_run(graphs, steps=2)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mlp_kernel, "swiglu_mlp", lambda *args: calls.append(1) or fused(*args))
+            replayed = _critic_run(graphs, steps=2)
     finally:
         torch.use_deterministic_algorithms(False)
     assert _REPLAYS["last"] > 0  # the graphed run did replay (and the eager one compared against it did not)
+    assert bool(calls) == _quack_available()  # the fused MLP was captured wherever it can run
     (v1, m1, a1, _), (v2, m2, a2, _) = eager, replayed
     assert torch.equal(v1, v2) and torch.equal(a1, a2)
     for step1, step2 in zip(m1, m2):

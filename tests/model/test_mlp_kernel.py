@@ -57,7 +57,7 @@ def _config(**over):
     ({"bias_activation_fusion": False}, False),  # use_fused_kernels off, or the CPU
     ({"tensor_model_parallel_size": 2}, False),
     ({"sequence_parallel": True}, False),
-    ({"cuda_graphs": True}, False),
+    ({"cuda_graphs": True}, True),  # captured like any other kernel
 ])
 def test_which_models_take_the_fused_mlp(monkeypatch, over, runs):
     monkeypatch.setattr(mlp_kernel, "gpu_problem", lambda: None)  # a Hopper GPU with quack

@@ -149,7 +149,8 @@ class ModelConfig:
     instead of kept (less activation memory). compute_values -10% at 1.5B and 3B, update_critic -2% at 1.5B on
     an H100 (bench/NOTES.md). The activation is taken from fc1's float32 accumulator instead of its bf16
     rounding: outputs agree with Megatron's MLP within bf16 rounding. Megatron's MLP instead with tensor
-    parallelism, cuda_graphs, float32, or where quack or the GPU is not there (logged). No effect on CPU."""
+    parallelism, float32, or where quack or the GPU is not there (logged). Also inside cuda_graphs' captures.
+    No effect on CPU."""
     attention_impl: str = "auto"
     """Attention kernel of packed micro-batches on GPU: fa4 (FlashAttention-4, ``flash_attn.cute``, Hopper and
     Blackwell; the ``megacritic[hopper]`` extra), fa2 (FlashAttention-2 through torch's ``varlen_attn``), sdpa

@@ -25,7 +25,7 @@ Outputs agree with Megatron's MLP within bf16 rounding (GPU-tested). quack's heu
 (``tuned=False``): its autotuner keys on the token count, which changes with every pack.
 
 Where it runs: a Hopper GPU with quack-kernels (the ``megacritic[hopper]`` extra) and use_fused_kernels, bf16
-or fp16, tensor-parallel size 1, no CUDA graphs, no bias, SwiGLU (``gated_linear_unit`` with silu), no
+or fp16, tensor-parallel size 1, no bias, SwiGLU (``gated_linear_unit`` with silu), no
 per-token scale; elsewhere Megatron's MLP (``megacritic.model.value_model`` decides per model, ``runs_fused``
 per call).
 """

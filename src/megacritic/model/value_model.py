@@ -202,10 +202,11 @@ def layer_spec(qk_layernorm: bool = False, moe: ModuleSpec | None = None, fused:
 
 def fused_mlp_runs(model: ModelConfig, config: TransformerConfig) -> bool:
     """Whether the dense MLPs take megacritic.model.mlp_kernel (model.fused_mlp): with the fused kernels on a
-    GPU (use_fused_kernels), tensor-parallel size 1, no CUDA graphs, on a GPU it runs on; else Megatron's MLP
-    (logged where only the GPU or the install stands in the way)."""
+    GPU (use_fused_kernels), tensor-parallel size 1, on a GPU it runs on (with or without CUDA graphs: quack's
+    GEMMs take the current stream and allocate their scratch per call, so a capture records them); else
+    Megatron's MLP (logged where only the GPU or the install stands in the way)."""
     if not (model.fused_mlp and config.bias_activation_fusion and config.tensor_model_parallel_size == 1
-            and not config.sequence_parallel and not model.cuda_graphs):
+            and not config.sequence_parallel):
         return False
     problem = mlp_kernel.gpu_problem()
     if problem:
