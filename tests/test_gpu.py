@@ -640,15 +640,20 @@ def test_fused_mlp_matches_float64_and_megatrons_path():
         assert ours < 1e-2 and ours < 1.5 * megatron + 1e-4, (name, report)
 
 
+def _count_fused_mlp_calls(patch: pytest.MonkeyPatch) -> list:
+    """A list that grows by one for every call of model.fused_mlp's function (patched while ``patch`` lasts)."""
+    from megacritic.model import mlp_kernel
+
+    calls, fused = [], mlp_kernel.swiglu_mlp
+    patch.setattr(mlp_kernel, "swiglu_mlp", lambda *args: calls.append(1) or fused(*args))
+    return calls
+
+
 @needs_quack
 def test_fused_mlp_critic_trains_like_megatrons_mlp(monkeypatch):
     """The critic with model.fused_mlp against without: values, losses and grad norms within bf16 rounding
     (and the fused path really ran: its MLPs did not fall back to Megatron's)."""
-    from megacritic.model import mlp_kernel
-
-    calls = []
-    fused = mlp_kernel.swiglu_mlp
-    monkeypatch.setattr(mlp_kernel, "swiglu_mlp", lambda *args: calls.append(1) or fused(*args))
+    calls = _count_fused_mlp_calls(monkeypatch)
     vf, mf, af, _ = _critic_run([])  # on by default
     assert calls
     calls.clear()
@@ -860,18 +865,15 @@ def test_cuda_graphs_replay_what_the_same_packs_compute_eagerly(impl):
     same fixed-shape packs, so with megatron.full_determinism the values, metrics and values after two
     updates equal the eager run's to the bit; and they were replayed (captured once per mode). Where quack is
     installed the captured MLPs are model.fused_mlp's (its GEMMs inside the graphs)."""
-    from megacritic.model import mlp_kernel
     from megacritic.model.cuda_graphs import DecoderGraphs
 
     graphs = [f"model.attention_impl={impl}", "model.cuda_graphs=true", "megatron.full_determinism=true"]
-    calls = []
-    fused = mlp_kernel.swiglu_mlp
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(DecoderGraphs, "_fits", lambda *args: False)
             eager = _critic_run(graphs, steps=2)
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(mlp_kernel, "swiglu_mlp", lambda *args: calls.append(1) or fused(*args))
+            calls = _count_fused_mlp_calls(patch)
             replayed = _critic_run(graphs, steps=2)
     finally:
         torch.use_deterministic_algorithms(False)
