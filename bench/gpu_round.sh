@@ -9,6 +9,8 @@
 #   small      bench 0.5B, every system (megacritic-packed in 2 processes)                              ~4
 #   mid        bench 1.5B (16,384 and 32,768) and 3B, megacritic-packed in 2 processes                  ~7
 #   baselines  bench 1.5B and 3B: HF + SDPA padded, megacritic-offload, megacritic-padded, 1 process each ~8
+#              (at 830a336 its 480 s cap ended it after 3B's HF rows: run 3B's offload and padded as
+#              bench=base3b with --shapes qwen2.5-3b --systems megacritic-offload,megacritic-padded)
 #   graphs     model.cuda_graphs: its GPU tests                                                         ~1.5
 #   graph-ab   model.cuda_graphs at 0.5B, 1.5B and 3B, and 1.5B eager: both phases timed                ~6
 #   overlap    0.5B with graphs (also with glibc's malloc keeping freed memory), 0.5B and 1.5B eager   ~6
