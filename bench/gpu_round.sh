@@ -19,6 +19,8 @@
 #   norm       bench/kernel_probe.py --only norm,swiglu at 1.5B and 3B (RMSNorm: ours at several tiles, liger,
 #              quack; SwiGLU: Megatron's compiled, ours at several tiles)                               ~2.5
 #   mlp        bench/kernel_probe.py --only mlp at 1.5B and 3B: quack's SwiGLU-in-epilogue GEMMs against today's MLP ~2.5
+#   mlpbwd     bench/kernel_probe.py --only mlpbwd at 1.5B and 3B: the fused MLP's backward GEMMs, heuristic against
+#              autotuned (the winners printed) against cuBLAS                                          ~4
 #   alloc      3B both phases, 4 calls, without and with megatron.expandable_segments=true           ~3.5
 #   multiple   0.5B with graphs, packs padded to multiples of 1,024 / 256 / 128 (MULTIPLES): both phases timed ~7
 #   multiple15 1.5B with graphs at a multiple of 128 tokens against 1.5B eager: both phases timed            ~6
@@ -180,6 +182,14 @@ if has mlp; then  # quack's fused SwiGLU GEMMs (gemm_act / gemm_dact) against to
     step "MLP $shape"
     timeout "$(left 150)" python3 bench/kernel_probe.py --shape $shape --only mlp >"$OUT/mlp-$shape.log" 2>&1
     echo "exit $?"; grep -avE "Warning|warn" "$OUT/mlp-$shape.log" | grep -aE "MLP|GEMM|Error|^torch" | cut -c1-200
+  done
+fi
+if has mlpbwd; then  # the fused MLP's backward GEMMs: heuristic tile (today), autotuned (winners printed), cuBLAS
+  for shape in qwen2.5-1.5b qwen2.5-3b; do
+    step "MLP backward $shape"
+    QUACK_PRINT_AUTOTUNING=1 timeout "$(left 200)" python3 bench/kernel_probe.py --shape $shape --only mlpbwd \
+      >"$OUT/mlpbwd-$shape.log" 2>&1
+    echo "exit $?"; grep -avE "Warning|warn" "$OUT/mlpbwd-$shape.log" | grep -aE "grad|dact|relative|best config|Error|^torch" | cut -c1-260
   done
 fi
 if has launch; then

@@ -9,6 +9,7 @@ bench's packed micro-batches (the 32 seeded rollouts, packed into 16,384-token m
   ``addmm`` that accumulates into the float32 ``main_grad`` (cuBLAS, bf16 inputs, float32 output);
 * the MLP: cuBLAS GEMMs around Megatron's fused SwiGLU against quack's GEMMs with the SwiGLU (and in the
   backward its derivative) in the GEMM's epilogue.
+* the fused MLP's backward GEMMs one by one (``--only mlpbwd``): heuristic tile configuration, autotuned, cuBLAS.
 
 Each row: forward (+ backward) over all packs of one layer, median of 10 after 3 warm-ups, and the largest
 difference from the reference path.
@@ -298,6 +299,80 @@ def mlp_rows(shape, micro):
     return rows
 
 
+def mlp_backward_rows(shape, micro):
+    """The fused MLP's backward GEMMs one by one, as ``megacritic.model.mlp_kernel`` runs them (quack, heuristic
+    tile configuration), against the same GEMM autotuned (``QUACK_PRINT_AUTOTUNING=1`` prints the winners: the
+    configurations to pin) and against cuBLAS on Megatron's ``[gate | up]`` layout. GPU time of one layer over
+    all packs (``kernel_seconds``): the update is bound by the GPU at 1.5B and 3B, so this is what a call pays."""
+    from quack.gemm_interface import gemm, gemm_act, gemm_add_inplace, gemm_dact
+
+    from megacritic.model.swiglu_kernel import swiglu
+
+    h, ffn = shape["hidden_size"], shape["intermediate_size"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = (torch.randn(2 * ffn, h, device="cuda", generator=gen) / h ** 0.5).bfloat16()  # [gate; up]
+    w2 = (torch.randn(h, ffn, device="cuda", generator=gen) / ffn ** 0.5).bfloat16()
+    g1 = torch.zeros(2 * ffn, h, device="cuda")
+    packs_ = []
+    for lens in micro:
+        x = torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()
+        dout = torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()
+        preact, _ = gemm_act(x, w1.t(), activation="swiglu", tuned=False, concat_layout=("B",))  # interleaved
+        dpreact, _ = gemm_dact(dout, w2, preact, activation="swiglu", tuned=False)
+        y = (x @ w1.t()).requires_grad_()  # cuBLAS's pre-activation, [gate | up]
+        act = swiglu(y)
+        dy = torch.autograd.grad(act, y, dout @ w2, retain_graph=True)[0]
+        packs_.append((x, dout, preact, dpreact, y, act, dy))
+    x, dout, preact, dpreact, y, act, dy = packs_[0]  # both layouts hold one gradient: quack's alternates columns
+    halves = torch.cat([dpreact[:, 0::2], dpreact[:, 1::2]], dim=1).float()
+    print(f"first pack, pre-activation gradient, quack against cuBLAS + kernel: relative difference "
+          f"{((halves - dy.float()).abs().max() / dy.float().abs().max()).item():.2e}", flush=True)
+
+    def over_packs(fn):
+        return lambda: [fn(*p) for p in packs_]
+
+    candidates = {
+        "dact: dout @ W2, SwiGLU'": [
+            ("quack gemm_dact, heuristic (today)",
+             lambda x, dout, pre, dpre, y, act, dy: gemm_dact(dout, w2, pre, activation="swiglu", tuned=False)),
+            ("quack gemm_dact, autotuned",
+             lambda x, dout, pre, dpre, y, act, dy: gemm_dact(dout, w2, pre, activation="swiglu", tuned=True)),
+            ("cuBLAS + SwiGLU backward kernel",
+             lambda x, dout, pre, dpre, y, act, dy: torch.autograd.grad(act, y, dout @ w2, retain_graph=True)),
+        ],
+        "fc1 input grad: dpre @ W1": [
+            ("quack, concat layout, heuristic (today)",
+             lambda x, dout, pre, dpre, y, act, dy: gemm(dpre, w1, dynamic_scheduler=True, tuned=False,
+                                                         concat_layout=("B",))),
+            ("quack, concat layout, autotuned",
+             lambda x, dout, pre, dpre, y, act, dy: gemm(dpre, w1, dynamic_scheduler=True, tuned=True,
+                                                         concat_layout=("B",))),
+            ("cuBLAS, [gate | up]", lambda x, dout, pre, dpre, y, act, dy: dy @ w1),
+        ],
+        "fc1 weight grad into float32": [
+            ("quack add in place, concat, heuristic (today)",
+             lambda x, dout, pre, dpre, y, act, dy: gemm_add_inplace(
+                 dpre.t(), x, g1, dynamic_scheduler=True, tuned=False, concat_layout=("C", "out"))),
+            ("quack add in place, concat, autotuned",
+             lambda x, dout, pre, dpre, y, act, dy: gemm_add_inplace(
+                 dpre.t(), x, g1, dynamic_scheduler=True, tuned=True, concat_layout=("C", "out"))),
+            ("cuBLAS addmm, [gate | up]",
+             lambda x, dout, pre, dpre, y, act, dy: torch.addmm(g1, dy.t(), x, out_dtype=torch.float32, out=g1)),
+        ],
+    }
+    rows = []
+    for what, paths in candidates.items():
+        for name, fn in paths:
+            try:
+                gpu = kernel_seconds(over_packs(fn))
+            except Exception as e:  # noqa: BLE001 - a probe: report why the candidate did not run
+                print(f"{what:30} {name:45} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                gpu = float("nan")
+            rows.append((what, name, gpu, float("nan")))
+            print(f"{what:30} {name:45} {'':>9} {gpu * 1e3:9.3f}", flush=True)
+    return rows
+
+
 def qkv_rows(shape, micro):
     """The QKV projection's output to rotated q / k and v (FusedQKVSelfAttention): Megatron's passes (bias
     add, split, query copy, RoPE) against our Triton kernels (several block shapes) and the compiled function
@@ -507,7 +582,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=[s for s in SHAPES if s != "tiny"])
     parser.add_argument("--budget", type=int, default=16384)
-    parser.add_argument("--only", help="only these rows, comma-separated: qkv, norm, swiglu, mlp")
+    parser.add_argument("--only", help="only these rows, comma-separated: qkv, norm, swiglu, mlp, mlpbwd")
     parser.add_argument("--cudnn", action="store_true",
                         help="also cuDNN attention (its ragged path is experimental in PyTorch: run it apart)")
     args = parser.parse_args()
@@ -517,7 +592,8 @@ def main():
     if args.only:
         print(f"{'what':30} {'path':45} {'wall ms':>9} {'GPU ms':>9} {'max diff':>9}")
         for part in args.only.split(","):
-            rows = {"qkv": qkv_rows, "norm": norm_rows, "swiglu": swiglu_rows, "mlp": mlp_rows}[part](shape, micro)
+            rows = {"qkv": qkv_rows, "norm": norm_rows, "swiglu": swiglu_rows, "mlp": mlp_rows,
+                    "mlpbwd": mlp_backward_rows}[part](shape, micro)
             if part == "mlp":  # its rows, failures included, in one table (ms per layer over all packs)
                 for what, path, t, diff in rows:
                     print(f"{what:30} {path:45} {t * 1e3:9.3f} {'':>9} {diff:9.2e}")
