@@ -20,6 +20,7 @@ difference from the reference path.
 import argparse
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -317,54 +318,40 @@ def mlp_backward_rows(shape, micro):
     for lens in micro:
         x = torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()
         dout = torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()
-        preact, _ = gemm_act(x, w1.t(), activation="swiglu", tuned=False, concat_layout=("B",))  # interleaved
-        dpreact, _ = gemm_dact(dout, w2, preact, activation="swiglu", tuned=False)
+        pre, _ = gemm_act(x, w1.t(), activation="swiglu", tuned=False, concat_layout=("B",))  # interleaved
+        dpre, _ = gemm_dact(dout, w2, pre, activation="swiglu", tuned=False)
         y = (x @ w1.t()).requires_grad_()  # cuBLAS's pre-activation, [gate | up]
         act = swiglu(y)
         dy = torch.autograd.grad(act, y, dout @ w2, retain_graph=True)[0]
-        packs_.append((x, dout, preact, dpreact, y, act, dy))
-    x, dout, preact, dpreact, y, act, dy = packs_[0]  # both layouts hold one gradient: quack's alternates columns
-    halves = torch.cat([dpreact[:, 0::2], dpreact[:, 1::2]], dim=1).float()
+        packs_.append(SimpleNamespace(x=x, dout=dout, pre=pre, dpre=dpre, y=y, act=act, dy=dy))
+    first = packs_[0]  # both layouts hold one gradient: quack's alternates gate and up columns
+    halves = torch.cat([first.dpre[:, 0::2], first.dpre[:, 1::2]], dim=1).float()
     print(f"first pack, pre-activation gradient, quack against cuBLAS + kernel: relative difference "
-          f"{((halves - dy.float()).abs().max() / dy.float().abs().max()).item():.2e}", flush=True)
+          f"{((halves - first.dy.float()).abs().max() / first.dy.float().abs().max()).item():.2e}", flush=True)
 
-    def over_packs(fn):
-        return lambda: [fn(*p) for p in packs_]
+    def quack(name, call):  # call(pack, tuned): the package's heuristic tile, then the autotuner's winner
+        return [(f"{name}, heuristic (today)", lambda p: call(p, False)),
+                (f"{name}, autotuned", lambda p: call(p, True))]
 
     candidates = {
-        "dact: dout @ W2, SwiGLU'": [
-            ("quack gemm_dact, heuristic (today)",
-             lambda x, dout, pre, dpre, y, act, dy: gemm_dact(dout, w2, pre, activation="swiglu", tuned=False)),
-            ("quack gemm_dact, autotuned",
-             lambda x, dout, pre, dpre, y, act, dy: gemm_dact(dout, w2, pre, activation="swiglu", tuned=True)),
+        "dact: dout @ W2, SwiGLU'": quack(
+            "quack gemm_dact", lambda p, tuned: gemm_dact(p.dout, w2, p.pre, activation="swiglu", tuned=tuned)) + [
             ("cuBLAS + SwiGLU backward kernel",
-             lambda x, dout, pre, dpre, y, act, dy: torch.autograd.grad(act, y, dout @ w2, retain_graph=True)),
-        ],
-        "fc1 input grad: dpre @ W1": [
-            ("quack, concat layout, heuristic (today)",
-             lambda x, dout, pre, dpre, y, act, dy: gemm(dpre, w1, dynamic_scheduler=True, tuned=False,
-                                                         concat_layout=("B",))),
-            ("quack, concat layout, autotuned",
-             lambda x, dout, pre, dpre, y, act, dy: gemm(dpre, w1, dynamic_scheduler=True, tuned=True,
-                                                         concat_layout=("B",))),
-            ("cuBLAS, [gate | up]", lambda x, dout, pre, dpre, y, act, dy: dy @ w1),
-        ],
-        "fc1 weight grad into float32": [
-            ("quack add in place, concat, heuristic (today)",
-             lambda x, dout, pre, dpre, y, act, dy: gemm_add_inplace(
-                 dpre.t(), x, g1, dynamic_scheduler=True, tuned=False, concat_layout=("C", "out"))),
-            ("quack add in place, concat, autotuned",
-             lambda x, dout, pre, dpre, y, act, dy: gemm_add_inplace(
-                 dpre.t(), x, g1, dynamic_scheduler=True, tuned=True, concat_layout=("C", "out"))),
-            ("cuBLAS addmm, [gate | up]",
-             lambda x, dout, pre, dpre, y, act, dy: torch.addmm(g1, dy.t(), x, out_dtype=torch.float32, out=g1)),
-        ],
+             lambda p: torch.autograd.grad(p.act, p.y, p.dout @ w2, retain_graph=True))],
+        "fc1 input grad: dpre @ W1": quack(
+            "quack, concat layout", lambda p, tuned: gemm(p.dpre, w1, dynamic_scheduler=True, tuned=tuned,
+                                                          concat_layout=("B",))) + [
+            ("cuBLAS, [gate | up]", lambda p: p.dy @ w1)],
+        "fc1 weight grad into float32": quack(
+            "quack add in place, concat", lambda p, tuned: gemm_add_inplace(
+                p.dpre.t(), p.x, g1, dynamic_scheduler=True, tuned=tuned, concat_layout=("C", "out"))) + [
+            ("cuBLAS addmm, [gate | up]", lambda p: torch.addmm(g1, p.dy.t(), p.x, out_dtype=torch.float32, out=g1))],
     }
     rows = []
     for what, paths in candidates.items():
         for name, fn in paths:
             try:
-                gpu = kernel_seconds(over_packs(fn))
+                gpu = kernel_seconds(lambda: [fn(p) for p in packs_])
             except Exception as e:  # noqa: BLE001 - a probe: report why the candidate did not run
                 print(f"{what:30} {name:45} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 gpu = float("nan")
