@@ -20,7 +20,8 @@
 #              quack; SwiGLU: Megatron's compiled, ours at several tiles)                               ~2.5
 #   mlp        bench/kernel_probe.py --only mlp at 1.5B and 3B: quack's SwiGLU-in-epilogue GEMMs against today's MLP ~2.5
 #   mlpbwd     bench/kernel_probe.py --only mlpbwd at 1.5B and 3B: the fused MLP's backward GEMMs, heuristic against
-#              autotuned (the winners printed) against cuBLAS                                          ~4
+#              autotuned per pack (every config's time printed), each config pinned for all packs, cuBLAS ~6
+#   keep       1.5B and 3B update_critic, model.fused_mlp_keep_activation off and on (GPU busy time by kernel) ~7
 #   alloc      3B both phases, 4 calls, without and with megatron.expandable_segments=true           ~3.5
 #   multiple   0.5B with graphs, packs padded to multiples of 1,024 / 256 / 128 (MULTIPLES): both phases timed ~7
 #   multiple15 1.5B with graphs at a multiple of 128 tokens against 1.5B eager: both phases timed            ~6
@@ -88,7 +89,7 @@ hostrun() {  # hostrun NAME SECONDS ARGS...: bench/profile_phase.py into OUT/NAM
   local name=$1 limit; limit=$(left "$2"); shift 2
   step "profile $name (limit ${limit} s)"
   timeout "$limit" python3 bench/profile_phase.py "$@" >"$OUT/$name.log" 2>&1
-  echo "exit $?"; grep -aE "^call|Self CUDA time total|kernel launches|synchronisations in|host profile:|own time by|^ +[0-9.]+ s +[0-9.]+%|Error" \
+  echo "exit $?"; grep -aE "^call|Self CUDA time total|GPU busy|kernel launches|synchronisations in|host profile:|own time by|^ +[0-9.]+ s +[0-9.]+%|Error" \
     "$OUT/$name.log" | head -40
 }
 if has host; then
@@ -122,6 +123,13 @@ if has overlap2; then
     model.cuda_graph_pack_multiple=512
   hostrun ov-15b-graphs 110 --shape qwen2.5-1.5b --phase both --calls 4 --no-torch-profile model.cuda_graphs=true
   hostrun ov-3b-eager 140 --shape qwen2.5-3b --phase both --calls 3 --no-torch-profile
+fi
+if has keep; then  # the fused MLP's activation kept from the forward (one output less for the backward's GEMM) or not
+  for shape in qwen2.5-1.5b qwen2.5-3b; do
+    for keep in false true; do
+      hostrun keep-$shape-$keep 110 --shape $shape --phase update --calls 3 model.fused_mlp_keep_activation=$keep
+    done
+  done
 fi
 if has alloc; then  # 3B: the caching allocator's retries (2 a process at 14b7c37) against expandable segments
   hostrun alloc-3b-default 150 --shape qwen2.5-3b --phase both --calls 4 --no-torch-profile
@@ -184,12 +192,13 @@ if has mlp; then  # quack's fused SwiGLU GEMMs (gemm_act / gemm_dact) against to
     echo "exit $?"; grep -avE "Warning|warn" "$OUT/mlp-$shape.log" | grep -aE "MLP|GEMM|Error|^torch" | cut -c1-200
   done
 fi
-if has mlpbwd; then  # the fused MLP's backward GEMMs: heuristic tile (today), autotuned (winners printed), cuBLAS
+if has mlpbwd; then  # the fused MLP's backward GEMMs: heuristic tile (today), autotuned, each config pinned, cuBLAS
   for shape in qwen2.5-1.5b qwen2.5-3b; do
     step "MLP backward $shape"
-    QUACK_PRINT_AUTOTUNING=1 timeout "$(left 200)" python3 bench/kernel_probe.py --shape $shape --only mlpbwd \
+    QUACK_PRINT_AUTOTUNING=1 timeout "$(left 270)" python3 bench/kernel_probe.py --shape $shape --only mlpbwd \
       >"$OUT/mlpbwd-$shape.log" 2>&1
-    echo "exit $?"; grep -avE "Warning|warn" "$OUT/mlpbwd-$shape.log" | grep -aE "grad|dact|relative|best config|Error|^torch" | cut -c1-260
+    echo "exit $?"; grep -avE "Warning|warn" "$OUT/mlpbwd-$shape.log" \
+      | grep -aE "grad|dact|relative|best config|one configuration|^  [0-9]+x[0-9]+ |fastest|Error|^torch" | cut -c1-260
   done
 fi
 if has launch; then

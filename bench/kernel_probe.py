@@ -9,7 +9,8 @@ bench's packed micro-batches (the 32 seeded rollouts, packed into 16,384-token m
   ``addmm`` that accumulates into the float32 ``main_grad`` (cuBLAS, bf16 inputs, float32 output);
 * the MLP: cuBLAS GEMMs around Megatron's fused SwiGLU against quack's GEMMs with the SwiGLU (and in the
   backward its derivative) in the GEMM's epilogue.
-* the fused MLP's backward GEMMs one by one (``--only mlpbwd``): heuristic tile configuration, autotuned, cuBLAS.
+* the fused MLP's backward GEMMs one by one (``--only mlpbwd``): heuristic tile configuration, autotuned per pack,
+  each of quack's Hopper configurations pinned for every pack, cuBLAS.
 
 Each row: forward (+ backward) over all packs of one layer, median of 10 after 3 warm-ups, and the largest
 difference from the reference path.
@@ -302,12 +303,26 @@ def mlp_rows(shape, micro):
 
 def mlp_backward_rows(shape, micro):
     """The fused MLP's backward GEMMs one by one, as ``megacritic.model.mlp_kernel`` runs them (quack, heuristic
-    tile configuration), against the same GEMM autotuned (``QUACK_PRINT_AUTOTUNING=1`` prints the winners: the
-    configurations to pin) and against cuBLAS on Megatron's ``[gate | up]`` layout. GPU time of one layer over
-    all packs (``kernel_seconds``): the update is bound by the GPU at 1.5B and 3B, so this is what a call pays."""
-    from quack.gemm_interface import gemm, gemm_act, gemm_add_inplace, gemm_dact
+    tile configuration), against the same GEMM autotuned per pack (``QUACK_PRINT_AUTOTUNING=1`` prints every
+    configuration's time), each configuration pinned for all packs, cuBLAS on Megatron's ``[gate | up]``
+    layout, and ``gemm_dact`` without its second output (were the activation kept from the forward: is its
+    epilogue what bounds it?). GPU time of one layer over all packs (``kernel_seconds``): the update is bound
+    by the GPU at 1.5B and 3B, so this is what a call pays."""
+    from quack.activation import dgate_fn_map
+    from quack.epilogue.frontend import gemm_epilogue
+    from quack.epilogue.math import pack, unpack
+    from quack.gemm_config import get_all_configs
+    from quack.gemm_interface import gemm, gemm_act, gemm_add_inplace, gemm_dact, gemm_tuned
 
     from megacritic.model.swiglu_kernel import swiglu
+
+    dswiglu = dgate_fn_map["swiglu"]
+
+    @gemm_epilogue(mode="packed_cd_b16x2")
+    def dswiglu_only(acc, c):  # gemm_dact's epilogue less its second output, the recomputed activation
+        gate, up = unpack(c)
+        dgate, dup, _ = dswiglu(gate, up, acc)
+        return {"D": pack(dgate, dup)}
 
     h, ffn = shape["hidden_size"], shape["intermediate_size"]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -333,9 +348,23 @@ def mlp_backward_rows(shape, micro):
         return [(f"{name}, heuristic (today)", lambda p: call(p, False)),
                 (f"{name}, autotuned", lambda p: call(p, True))]
 
+    def dpre_alone(p, tuned):  # C and D are the pre-activation's interleaved [t, 2f] (packed pairs)
+        return dswiglu_only(p.dout, w2, p.pre, out={"D": torch.empty_like(p.pre)}, tuned=tuned,
+                            dynamic_scheduler=True)["D"]
+
+    try:
+        alone = dpre_alone(first, False)
+        print(f"first pack, pre-activation gradient, the epilogue without the activation against gemm_dact: "
+              f"{'equal' if torch.equal(alone, first.dpre) else 'NOT equal'}", flush=True)
+    except Exception as e:  # noqa: BLE001 - a probe: its rows below report the failure too
+        print(f"the epilogue without the activation did not run: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
     candidates = {
         "dact: dout @ W2, SwiGLU'": quack(
             "quack gemm_dact", lambda p, tuned: gemm_dact(p.dout, w2, p.pre, activation="swiglu", tuned=tuned)) + [
+            # the activation kept from the forward instead: 2 of the epilogue's 10 bytes per element not written
+            ("quack, no activation out, heuristic", lambda p: dpre_alone(p, False)),
+            ("quack, no activation out, autotuned", lambda p: dpre_alone(p, True)),
             ("cuBLAS + SwiGLU backward kernel",
              lambda p: torch.autograd.grad(p.act, p.y, p.dout @ w2, retain_graph=True))],
         "fc1 input grad: dpre @ W1": quack(
@@ -357,7 +386,56 @@ def mlp_backward_rows(shape, micro):
                 gpu = float("nan")
             rows.append((what, name, gpu, float("nan")))
             print(f"{what:30} {name:45} {'':>9} {gpu * 1e3:9.3f}", flush=True)
+
+    # One configuration for every pack: what a pin (``config=``) would give. The autotuned rows above pick a
+    # winner per token count (each pack's); the package needs one that holds for all. After the autotuned
+    # rows, so their sweep has compiled these kernels.
+    sm90 = [c for c in get_all_configs() if c.device_capacity == 9 and not c.swap_ab]
+    gated = [c for c in get_all_configs(epilogue="gated") if c.device_capacity == 9 and not c.swap_ab]
+    dx = torch.empty(max(p.x.shape[0] for p in packs_), h, device="cuda", dtype=torch.bfloat16)
+    sweeps = {
+        "dact: dout @ W2, SwiGLU'": (gated, lambda p, c: gemm_dact(p.dout, w2, p.pre, activation="swiglu",
+                                                                   config=c)),
+        "fc1 input grad: dpre @ W1": (sm90, lambda p, c: gemm_tuned.fn(
+            p.dpre, w1, dx[:p.x.shape[0]], None, dynamic_scheduler=True, config=c, concat_layout=("B",))),
+        "fc1 weight grad into float32": (sm90, lambda p, c: gemm_tuned.fn(
+            p.dpre.t(), p.x, g1, None, add_to_output=True, dynamic_scheduler=True, config=c,
+            concat_layout=("C", "out"))),
+    }
+    for what, (configs, call) in sweeps.items():
+        heuristic = next(r[2] for r in rows if r[0] == what and r[1].endswith("heuristic (today)"))
+        timings = config_sweep(configs, lambda c: kernel_seconds(lambda: [call(p, c) for p in packs_]))
+        rows += [(what, f"pinned {tile_name(c)}", t, float("nan")) for c, t in timings]
+        print(config_table(what, timings, heuristic), flush=True)
     return rows
+
+
+def tile_name(c) -> str:
+    """A GemmConfig in a table's width: tile, schedule, cluster."""
+    return (f"{c.tile_m}x{c.tile_n} {'pingpong' if c.pingpong else 'coop'} "
+            f"cluster {c.cluster_m}x{c.cluster_n}")
+
+
+def config_sweep(configs, seconds) -> list[tuple]:
+    """(config, seconds) for every config ``seconds(config)`` ran, fastest first; failures are printed and
+    left out (a tile the epilogue's shared memory does not fit, say)."""
+    timings = []
+    for c in configs:
+        try:
+            timings.append((c, seconds(c)))
+        except Exception as e:  # noqa: BLE001 - a probe: report why the configuration did not run
+            print(f"  {tile_name(c)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    return sorted(timings, key=lambda ct: ct[1])
+
+
+def config_table(what: str, timings: list[tuple], heuristic: float) -> str:
+    """The sweep of one GEMM against the heuristic tile's GPU time, and the fastest config in full (to pin)."""
+    lines = [f"{what}: one configuration for every pack ({len(timings)} ran), GPU ms, against the heuristic "
+             f"tile's {heuristic * 1e3:.3f}"]
+    lines += [f"  {tile_name(c):38} {t * 1e3:9.3f} {t / heuristic - 1:+7.1%}" for c, t in timings]
+    if timings:
+        lines.append(f"  fastest: {timings[0][0]!r}")
+    return "\n".join(lines)
 
 
 def qkv_rows(shape, micro):

@@ -575,11 +575,17 @@ needs_quack = pytest.mark.skipif(not torch.cuda.is_available() or not _quack_ava
 
 
 @needs_quack
-def test_fused_mlp_matches_float64_and_megatrons_path():
+@pytest.mark.parametrize("keep", [False, True], ids=["recomputed-activation", "kept-activation"])
+def test_fused_mlp_matches_float64_and_megatrons_path(keep):
     """megacritic.model.mlp_kernel (model.fused_mlp) at a 1.5B layer's shapes, bf16: the output, the input's
     gradient and both weight gradients (accumulated into float32 main_grad) within bf16 rounding of float64,
     no further from it than Megatron's path (cuBLAS, SwiGLU kernel, float32 weight-gradient GEMMs); the
-    forward without autograd gives the same bits; two runs give the same bits."""
+    forward without autograd gives the same bits; two runs give the same bits. With the activation kept
+    (model.fused_mlp_keep_activation) the pre-activation's gradient is gemm_dact's to the bit, so the output,
+    the input's gradient and fc1's weight gradient equal the recomputing path's; fc2's differs only by the
+    activation it reads (the forward's, from fc1's float32 accumulator)."""
+    from functools import partial
+
     from megacritic.model.mlp_kernel import swiglu_mlp
     from megacritic.model.swiglu_kernel import swiglu
 
@@ -628,10 +634,14 @@ def test_fused_mlp_matches_float64_and_megatrons_path():
         out.backward(dout.double())
         return out.detach(), x.grad, w1.grad, w2.grad
 
-    got = run(swiglu_mlp)
-    assert all(torch.equal(a, b) for a, b in zip(got, run(swiglu_mlp)))
+    fused = partial(swiglu_mlp, keep_activation=keep)
+    got = run(fused)
+    assert all(torch.equal(a, b) for a, b in zip(got, run(fused)))
     with torch.no_grad():
         assert torch.equal(swiglu_mlp(x0, w10, w20), got[0])
+    if keep:
+        recomputed = run(swiglu_mlp)
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], recomputed[:3]))
     ref, want = run(megatron_path), exact()
     report = {name: (_rel(g, w), _rel(r, w)) for name, g, r, w in
               zip(("out", "dx", "dw1", "dw2"), got, ref, want)}
@@ -641,21 +651,24 @@ def test_fused_mlp_matches_float64_and_megatrons_path():
 
 
 def _count_fused_mlp_calls(patch: pytest.MonkeyPatch) -> list:
-    """A list that grows by one for every call of model.fused_mlp's function (patched while ``patch`` lasts)."""
+    """A list that grows by every call of model.fused_mlp's function (its keyword arguments), while ``patch``
+    lasts."""
     from megacritic.model import mlp_kernel
 
     calls, fused = [], mlp_kernel.swiglu_mlp
-    patch.setattr(mlp_kernel, "swiglu_mlp", lambda *args: calls.append(1) or fused(*args))
+    patch.setattr(mlp_kernel, "swiglu_mlp", lambda *args, **kw: calls.append(kw) or fused(*args, **kw))
     return calls
 
 
 @needs_quack
-def test_fused_mlp_critic_trains_like_megatrons_mlp(monkeypatch):
-    """The critic with model.fused_mlp against without: values, losses and grad norms within bf16 rounding
-    (and the fused path really ran: its MLPs did not fall back to Megatron's)."""
+@pytest.mark.parametrize("keep", [False, True], ids=["recomputed-activation", "kept-activation"])
+def test_fused_mlp_critic_trains_like_megatrons_mlp(monkeypatch, keep):
+    """The critic with model.fused_mlp (and model.fused_mlp_keep_activation) against without: values, losses
+    and grad norms within bf16 rounding (and the fused path really ran, with the setting: its MLPs did not
+    fall back to Megatron's)."""
     calls = _count_fused_mlp_calls(monkeypatch)
-    vf, mf, af, _ = _critic_run([])  # on by default
-    assert calls
+    vf, mf, af, _ = _critic_run([f"model.fused_mlp_keep_activation={str(keep).lower()}"])  # fused_mlp on by default
+    assert calls and all(kw == {"keep_activation": keep} for kw in calls)
     calls.clear()
     vm, mm, am, _ = _critic_run(["model.fused_mlp=false"])
     assert not calls

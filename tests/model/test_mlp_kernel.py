@@ -87,3 +87,19 @@ def test_use_fused_mlp_changes_only_the_dense_mlps_and_keeps_megatrons_arithmeti
         assert torch.equal(worker.compute_values(batch), before)
     finally:
         worker.close()
+
+
+def test_keep_activation_reaches_every_fused_mlp_and_changes_nothing_on_the_cpu(monkeypatch):
+    """model.fused_mlp_keep_activation (off by default) is handed to every fused MLP when the model is built
+    (here with the fused MLP forced in: on the CPU each call declines and runs Megatron's MLP, bit for bit)."""
+    from megacritic.model import value_model
+
+    assert not load_config(BASE).model.fused_mlp_keep_activation
+    monkeypatch.setattr(value_model, "fused_mlp_runs", lambda model, config: True)
+    runs = {}
+    for keep in (False, True):
+        fused, values, metrics, weights = _run([f"model.fused_mlp_keep_activation={str(keep).lower()}"])
+        assert len(fused) == 2 and all(m.keep_activation is keep for m in fused)
+        runs[keep] = values, metrics["critic/vf_loss"], weights
+    (v0, l0, w0), (v1, l1, w1) = runs[False], runs[True]
+    assert torch.equal(v0, v1) and l0 == l1 and all(torch.equal(a, b) for a, b in zip(w0, w1))

@@ -74,13 +74,14 @@ def megacritic_kernels(worker) -> dict:
     chunks = worker.state.model
     config = chunks[0].config
     norms = {m.fused and m.weight.is_cuda for chunk in chunks for m in chunk.modules() if isinstance(m, RMSNorm)}
-    fused_mlp = any(isinstance(m, FusedSwiGLUMLP) for chunk in chunks for m in chunk.modules())
+    fused_mlps = [m for chunk in chunks for m in chunk.modules() if isinstance(m, FusedSwiGLUMLP)]
     mg, o = worker.config.megatron, worker.config.optim
     moments = "" if (o.exp_avg_dtype, o.exp_avg_sq_dtype) == ("float32", "float32") else (
         f":moments-{o.exp_avg_dtype}-{o.exp_avg_sq_dtype}")
     return {"attention": attention_impl_of(chunks) if worker.config.model.use_remove_padding else "sdpa (padded)",
             "norm": "compiled" if norms == {True} else "eager",
-            "swiglu": ("quack-gemm-epilogue" if fused_mlp  # model.fused_mlp: inside the MLP's GEMMs
+            "swiglu": ("quack-gemm-epilogue" + (":kept-activation" if fused_mlps[0].keep_activation else "")
+                       if fused_mlps  # model.fused_mlp: inside the MLP's GEMMs
                        else "eager" if not config.bias_activation_fusion
                        else "megacritic-triton" if triton_swiglu_installed() else "megatron-fused"),
             "recompute": config.recompute_granularity and (

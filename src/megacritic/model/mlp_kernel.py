@@ -10,7 +10,9 @@ SwiGLU kernels took 0.103 s of a 1.38 s update on an H100 (bench/NOTES.md), at b
   the activation and, when training, the pre-activation for the backward (without a gradient: not at all);
 * backward: ``gemm_dact`` computes ``dout @ W2`` and in its epilogue the SwiGLU's derivative from the saved
   pre-activation, writing its gradient and the recomputed activation (fc2's weight gradient needs it, so the
-  activation is not kept from the forward: ``[t, f]`` less memory per layer);
+  activation is not kept from the forward: ``[t, f]`` less memory per layer); with ``keep_activation``
+  (``model.fused_mlp_keep_activation``) the forward's activation is kept instead and the same GEMM writes the
+  gradient alone (:func:`_dswiglu_epilogue`: 8 instead of 10 bytes per intermediate element and token);
 * fc2's forward and weight gradient stay cuBLAS (float32 accumulation into ``main_grad``, as
   ``megacritic.compat.kernels`` gives Megatron's layers), fc1's input and weight gradients are quack GEMMs that
   read the pre-activation's layout.
@@ -31,6 +33,8 @@ per call).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +70,27 @@ def gpu_problem() -> str | None:
     return None
 
 
+@functools.cache
+def _dswiglu_epilogue():
+    """``gemm_dact``'s SwiGLU epilogue without its second output (the recomputed activation), through quack's
+    epilogue frontend: C is the interleaved pre-activation, D its gradient, both as gate / up pairs (quack's
+    ``packed_cd_b16x2`` mode), with quack's own derivative, so D is ``gemm_dact``'s first output bit for
+    bit."""
+    from quack.activation import dgate_fn_map
+    from quack.epilogue.frontend import gemm_epilogue
+    from quack.epilogue.math import pack, unpack
+
+    dswiglu = dgate_fn_map["swiglu"]
+
+    @gemm_epilogue(mode="packed_cd_b16x2")
+    def dswiglu_of_preact(acc, c):
+        gate, up = unpack(c)
+        dgate, dup, _ = dswiglu(gate, up, acc)
+        return {"D": pack(dgate, dup)}
+
+    return dswiglu_of_preact
+
+
 def _weight_grad(weight: Tensor, a: Tensor, b: Tensor, concat: bool) -> Tensor:
     """The gradient a^T @ b of ``weight``: added to its float32 ``main_grad`` where DDP gave it one (fc1's by
     quack, reading a gate / up interleaved ``a`` into the weight's halves; fc2's by cuBLAS), else returned."""
@@ -85,33 +110,39 @@ def _weight_grad(weight: Tensor, a: Tensor, b: Tensor, concat: bool) -> Tensor:
 
 
 class SwiGLUMLPFunction(torch.autograd.Function):
-    """x [t, h], fc1 weight [2f, h] (gate; up), fc2 weight [h, f] -> silu(x W1g^T) * (x W1u^T) @ W2^T [t, h]."""
+    """x [t, h], fc1 weight [2f, h] (gate; up), fc2 weight [h, f] -> silu(x W1g^T) * (x W1u^T) @ W2^T [t, h];
+    ``keep_activation``: the activation saved for the backward instead of recomputed there."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, w1: Tensor, w2: Tensor, keep_activation: bool) -> Tensor:
         q = _quack()
         preact, act = q.gemm_act(x, w1.t(), activation="swiglu", tuned=False, concat_layout=("B",))
-        ctx.save_for_backward(x, w1, w2, preact)
+        ctx.save_for_backward(x, w1, w2, preact, *([act] if keep_activation else []))
         return act @ w2.t()
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         q = _quack()
-        x, w1, w2, preact = ctx.saved_tensors
+        x, w1, w2, preact, *kept = ctx.saved_tensors
         dout = dout.contiguous()
-        # d(preact) from dout @ W2 and the saved pre-activation, and the activation recomputed beside it
-        dpreact, act = q.gemm_dact(dout, w2, preact, activation="swiglu", tuned=False)
+        # d(preact) from dout @ W2 and the saved pre-activation; the activation kept, or recomputed beside it
+        if kept:
+            act, = kept
+            dpreact = _dswiglu_epilogue()(dout, w2, preact, out={"D": torch.empty_like(preact)}, tuned=False,
+                                          dynamic_scheduler=True)["D"]
+        else:
+            dpreact, act = q.gemm_dact(dout, w2, preact, activation="swiglu", tuned=False)
         dw2 = _weight_grad(w2, dout, act, concat=False)
         dx = q.gemm(dpreact, w1, dynamic_scheduler=True, tuned=False, concat_layout=("B",))
         dw1 = _weight_grad(w1, dpreact, x, concat=True)
-        return dx, dw1, dw2
+        return dx, dw1, dw2, None
 
 
-def swiglu_mlp(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+def swiglu_mlp(x: Tensor, w1: Tensor, w2: Tensor, keep_activation: bool = False) -> Tensor:
     """The MLP on ``x`` [..., h]; without autograd only the activation is written (no pre-activation)."""
     rows = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad):
-        out = SwiGLUMLPFunction.apply(rows, w1, w2)
+        out = SwiGLUMLPFunction.apply(rows, w1, w2, keep_activation)
     else:
         _, act = _quack().gemm_act(rows, w1.t(), activation="swiglu", tuned=False, concat_layout=("B",),
                                    store_preact=False)
@@ -122,6 +153,8 @@ def swiglu_mlp(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
 class FusedSwiGLUMLP(MLP):
     """Megatron's MLP (same submodules, parameters and names) whose forward is :func:`swiglu_mlp` where it
     can run (module docstring), else upstream's."""
+
+    keep_activation = False  # set per module by use_fused_mlp
 
     def runs_fused(self, hidden_states: Tensor, per_token_scale) -> bool:
         c = self.config
@@ -134,15 +167,18 @@ class FusedSwiGLUMLP(MLP):
     def forward(self, hidden_states: Tensor, per_token_scale=None, **kwargs):
         if not self.runs_fused(hidden_states, per_token_scale):
             return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
-        return swiglu_mlp(hidden_states, self.linear_fc1.weight, self.linear_fc2.weight), None
+        return swiglu_mlp(hidden_states, self.linear_fc1.weight, self.linear_fc2.weight,
+                          keep_activation=self.keep_activation), None
 
 
-def use_fused_mlp(model: torch.nn.Module) -> int:
+def use_fused_mlp(model: torch.nn.Module, keep_activation: bool = False) -> int:
     """Give every dense MLP of ``model`` (exactly Megatron's ``MLP``: not experts, not shared experts)
-    :class:`FusedSwiGLUMLP`'s forward; the number changed. After the model is built, not through the layer
-    spec: Megatron's TransformerLayer hands its tensor-parallel group only to a module that is exactly
+    :class:`FusedSwiGLUMLP`'s forward, keeping the activation for the backward where ``keep_activation``
+    (``model.fused_mlp_keep_activation``); the number changed. After the model is built, not through the
+    layer spec: Megatron's TransformerLayer hands its tensor-parallel group only to a module that is exactly
     ``MLP`` (and warns for any other)."""
     mlps = [m for m in model.modules() if type(m) is MLP]
     for m in mlps:
         m.__class__ = FusedSwiGLUMLP
+        m.keep_activation = keep_activation
     return len(mlps)

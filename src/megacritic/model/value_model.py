@@ -254,7 +254,7 @@ class ValueModel(GPTModel):
         if pre_process:  # the embedding's weight gradient goes straight to DDP's buffer (megacritic.compat, 9)
             lookup_into_main_grad(self.embedding.word_embeddings)
         if fused_mlp_runs(model, config):  # the dense MLPs' SwiGLU inside their GEMMs (model.fused_mlp)
-            mlp_kernel.use_fused_mlp(self.decoder)
+            mlp_kernel.use_fused_mlp(self.decoder, keep_activation=model.fused_mlp_keep_activation)
         if post_process:
             # GPTModel always builds a vocabulary projection; the critic swaps it for the value head
             # (the projection's memory is released here, before any optimizer state exists).
