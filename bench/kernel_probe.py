@@ -308,21 +308,11 @@ def mlp_backward_rows(shape, micro):
     layout, and ``gemm_dact`` without its second output (were the activation kept from the forward: is its
     epilogue what bounds it?). GPU time of one layer over all packs (``kernel_seconds``): the update is bound
     by the GPU at 1.5B and 3B, so this is what a call pays."""
-    from quack.activation import dgate_fn_map
-    from quack.epilogue.frontend import gemm_epilogue
-    from quack.epilogue.math import pack, unpack
     from quack.gemm_config import get_all_configs
     from quack.gemm_interface import gemm, gemm_act, gemm_add_inplace, gemm_dact, gemm_tuned
 
+    from megacritic.model.mlp_kernel import dswiglu_epilogue
     from megacritic.model.swiglu_kernel import swiglu
-
-    dswiglu = dgate_fn_map["swiglu"]
-
-    @gemm_epilogue(mode="packed_cd_b16x2")
-    def dswiglu_only(acc, c):  # gemm_dact's epilogue less its second output, the recomputed activation
-        gate, up = unpack(c)
-        dgate, dup, _ = dswiglu(gate, up, acc)
-        return {"D": pack(dgate, dup)}
 
     h, ffn = shape["hidden_size"], shape["intermediate_size"]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -348,9 +338,9 @@ def mlp_backward_rows(shape, micro):
         return [(f"{name}, heuristic (today)", lambda p: call(p, False)),
                 (f"{name}, autotuned", lambda p: call(p, True))]
 
-    def dpre_alone(p, tuned):  # C and D are the pre-activation's interleaved [t, 2f] (packed pairs)
-        return dswiglu_only(p.dout, w2, p.pre, out={"D": torch.empty_like(p.pre)}, tuned=tuned,
-                            dynamic_scheduler=True)["D"]
+    def dpre_alone(p, tuned):  # gemm_dact's epilogue less the activation (model.fused_mlp_keep_activation)
+        return dswiglu_epilogue()(p.dout, w2, p.pre, out={"D": torch.empty_like(p.pre)}, tuned=tuned,
+                                  dynamic_scheduler=True)["D"]
 
     try:
         alone = dpre_alone(first, False)

@@ -12,7 +12,7 @@ SwiGLU kernels took 0.103 s of a 1.38 s update on an H100 (bench/NOTES.md), at b
   pre-activation, writing its gradient and the recomputed activation (fc2's weight gradient needs it, so the
   activation is not kept from the forward: ``[t, f]`` less memory per layer); with ``keep_activation``
   (``model.fused_mlp_keep_activation``) the forward's activation is kept instead and the same GEMM writes the
-  gradient alone (:func:`_dswiglu_epilogue`: 8 instead of 10 bytes per intermediate element and token);
+  gradient alone (:func:`dswiglu_epilogue`: 8 instead of 10 bytes per intermediate element and token);
 * fc2's forward and weight gradient stay cuBLAS (float32 accumulation into ``main_grad``, as
   ``megacritic.compat.kernels`` gives Megatron's layers), fc1's input and weight gradients are quack GEMMs that
   read the pre-activation's layout.
@@ -71,7 +71,7 @@ def gpu_problem() -> str | None:
 
 
 @functools.cache
-def _dswiglu_epilogue():
+def dswiglu_epilogue():
     """``gemm_dact``'s SwiGLU epilogue without its second output (the recomputed activation), through quack's
     epilogue frontend: C is the interleaved pre-activation, D its gradient, both as gate / up pairs (quack's
     ``packed_cd_b16x2`` mode), with quack's own derivative, so D is ``gemm_dact``'s first output bit for
@@ -128,7 +128,7 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         # d(preact) from dout @ W2 and the saved pre-activation; the activation kept, or recomputed beside it
         if kept:
             act, = kept
-            dpreact = _dswiglu_epilogue()(dout, w2, preact, out={"D": torch.empty_like(preact)}, tuned=False,
+            dpreact = dswiglu_epilogue()(dout, w2, preact, out={"D": torch.empty_like(preact)}, tuned=False,
                                           dynamic_scheduler=True)["D"]
         else:
             dpreact, act = q.gemm_dact(dout, w2, preact, activation="swiglu", tuned=False)
