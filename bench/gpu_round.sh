@@ -21,6 +21,8 @@
 #   mlp        bench/kernel_probe.py --only mlp at 1.5B and 3B: quack's SwiGLU-in-epilogue GEMMs against today's MLP ~2.5
 #   mlpbwd     bench/kernel_probe.py --only mlpbwd at 1.5B and 3B: the fused MLP's backward GEMMs, heuristic against
 #              autotuned per pack (every config's time printed), each config pinned for all packs, cuBLAS ~6
+#   fc1pins    bench/kernel_probe.py --only fc1pins at 1.5B and 3B: fc1's backward GEMMs, every tile configuration
+#              pinned for all packs against the heuristic                                               ~6
 #   keep       1.5B and 3B update_critic, model.fused_mlp_keep_activation off and on (GPU busy time by kernel) ~7
 #   alloc      3B both phases, 4 calls, without and with megatron.expandable_segments=true           ~3.5
 #   multiple   0.5B with graphs, packs padded to multiples of 1,024 / 256 / 128 (MULTIPLES): both phases timed ~7
@@ -199,6 +201,14 @@ if has mlpbwd; then  # the fused MLP's backward GEMMs: heuristic tile (today), a
       >"$OUT/mlpbwd-$shape.log" 2>&1
     echo "exit $?"; grep -avE "Warning|warn" "$OUT/mlpbwd-$shape.log" \
       | grep -aE "grad|dact|relative|best config|one configuration|^  [0-9]+x[0-9]+ |fastest|Error|^torch" | cut -c1-260
+  done
+fi
+if has fc1pins; then  # fc1's backward GEMMs (quack): each Hopper tile configuration pinned for every pack
+  for shape in qwen2.5-1.5b qwen2.5-3b; do
+    step "fc1 pins $shape"
+    timeout "$(left 260)" python3 bench/kernel_probe.py --shape $shape --only fc1pins >"$OUT/fc1pins-$shape.log" 2>&1
+    echo "exit $?"; grep -avE "Warning|warn" "$OUT/fc1pins-$shape.log" \
+      | grep -aE "heuristic|one configuration|^  [0-9]+x[0-9]+ |fastest|Error|^torch" | head -40 | cut -c1-220
   done
 fi
 if has launch; then

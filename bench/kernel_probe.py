@@ -308,27 +308,11 @@ def mlp_backward_rows(shape, micro):
     layout, and ``gemm_dact`` without its second output (were the activation kept from the forward: is its
     epilogue what bounds it?). GPU time of one layer over all packs (``kernel_seconds``): the update is bound
     by the GPU at 1.5B and 3B, so this is what a call pays."""
-    from quack.gemm_config import get_all_configs
-    from quack.gemm_interface import gemm, gemm_act, gemm_add_inplace, gemm_dact, gemm_tuned
+    from quack.gemm_interface import gemm, gemm_add_inplace, gemm_dact
 
     from megacritic.model.mlp_kernel import dswiglu_epilogue
-    from megacritic.model.swiglu_kernel import swiglu
 
-    h, ffn = shape["hidden_size"], shape["intermediate_size"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w1 = (torch.randn(2 * ffn, h, device="cuda", generator=gen) / h ** 0.5).bfloat16()  # [gate; up]
-    w2 = (torch.randn(h, ffn, device="cuda", generator=gen) / ffn ** 0.5).bfloat16()
-    g1 = torch.zeros(2 * ffn, h, device="cuda")
-    packs_ = []
-    for lens in micro:
-        x = torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()
-        dout = torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()
-        pre, _ = gemm_act(x, w1.t(), activation="swiglu", tuned=False, concat_layout=("B",))  # interleaved
-        dpre, _ = gemm_dact(dout, w2, pre, activation="swiglu", tuned=False)
-        y = (x @ w1.t()).requires_grad_()  # cuBLAS's pre-activation, [gate | up]
-        act = swiglu(y)
-        dy = torch.autograd.grad(act, y, dout @ w2, retain_graph=True)[0]
-        packs_.append(SimpleNamespace(x=x, dout=dout, pre=pre, dpre=dpre, y=y, act=act, dy=dy))
+    w1, w2, g1, packs_ = mlp_packs(shape, micro)
     first = packs_[0]  # both layouts hold one gradient: quack's alternates gate and up columns
     halves = torch.cat([first.dpre[:, 0::2], first.dpre[:, 1::2]], dim=1).float()
     print(f"first pack, pre-activation gradient, quack against cuBLAS + kernel: relative difference "
@@ -380,24 +364,92 @@ def mlp_backward_rows(shape, micro):
     # One configuration for every pack: what a pin (``config=``) would give. The autotuned rows above pick a
     # winner per token count (each pack's); the package needs one that holds for all. After the autotuned
     # rows, so their sweep has compiled these kernels.
+    heuristic = {what: t for what, name, t, _ in rows if name.endswith("heuristic (today)")}
+    return rows + pinned_sweeps(pinned_calls(shape, w1, w2, g1, packs_), packs_, heuristic)
+
+
+def mlp_packs(shape, micro):
+    """fc1 / fc2 weights of one layer (random, seeded), fc1's float32 gradient buffer, and per pack the MLP's
+    input, output gradient, quack's interleaved pre-activation and its gradient, and the same on cuBLAS's
+    ``[gate | up]`` layout."""
+    from quack.gemm_interface import gemm_act, gemm_dact
+
+    from megacritic.model.swiglu_kernel import swiglu
+
+    h, ffn = shape["hidden_size"], shape["intermediate_size"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = (torch.randn(2 * ffn, h, device="cuda", generator=gen) / h ** 0.5).bfloat16()  # [gate; up]
+    w2 = (torch.randn(h, ffn, device="cuda", generator=gen) / ffn ** 0.5).bfloat16()
+    g1 = torch.zeros(2 * ffn, h, device="cuda")
+    packs_ = []
+    for lens in micro:
+        x = torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()
+        dout = torch.randn(sum(lens), h, device="cuda", generator=gen).bfloat16()
+        pre, _ = gemm_act(x, w1.t(), activation="swiglu", tuned=False, concat_layout=("B",))  # interleaved
+        dpre, _ = gemm_dact(dout, w2, pre, activation="swiglu", tuned=False)
+        y = (x @ w1.t()).requires_grad_()  # cuBLAS's pre-activation, [gate | up]
+        act = swiglu(y)
+        dy = torch.autograd.grad(act, y, dout @ w2, retain_graph=True)[0]
+        packs_.append(SimpleNamespace(x=x, dout=dout, pre=pre, dpre=dpre, y=y, act=act, dy=dy))
+    return w1, w2, g1, packs_
+
+
+def pinned_calls(shape, w1, w2, g1, packs_) -> dict:
+    """Per backward GEMM of the fused MLP: quack's Hopper configurations for it, and call(pack, config)."""
+    from quack.gemm_config import get_all_configs
+    from quack.gemm_interface import gemm_dact, gemm_tuned
+
+    from megacritic.model.mlp_kernel import dswiglu_epilogue
+
     sm90 = [c for c in get_all_configs() if c.device_capacity == 9 and not c.swap_ab]
     gated = [c for c in get_all_configs(epilogue="gated") if c.device_capacity == 9 and not c.swap_ab]
-    dx = torch.empty(max(p.x.shape[0] for p in packs_), h, device="cuda", dtype=torch.bfloat16)
-    sweeps = {
+    dx = torch.empty(max(p.x.shape[0] for p in packs_), shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    return {
         "dact: dout @ W2, SwiGLU'": (gated, lambda p, c: gemm_dact(p.dout, w2, p.pre, activation="swiglu",
                                                                    config=c)),
+        "dact, no activation out": (gated, lambda p, c: dswiglu_epilogue()(
+            p.dout, w2, p.pre, out={"D": torch.empty_like(p.pre)}, config=c, dynamic_scheduler=True)),
         "fc1 input grad: dpre @ W1": (sm90, lambda p, c: gemm_tuned.fn(
             p.dpre, w1, dx[:p.x.shape[0]], None, dynamic_scheduler=True, config=c, concat_layout=("B",))),
         "fc1 weight grad into float32": (sm90, lambda p, c: gemm_tuned.fn(
             p.dpre.t(), p.x, g1, None, add_to_output=True, dynamic_scheduler=True, config=c,
             concat_layout=("C", "out"))),
     }
-    for what, (configs, call) in sweeps.items():
-        heuristic = next(r[2] for r in rows if r[0] == what and r[1].endswith("heuristic (today)"))
+
+
+def pinned_sweeps(calls: dict, packs_, heuristic: dict) -> list[tuple]:
+    """Each GEMM of ``calls`` with each of its configurations pinned for every pack (what ``config=`` in the
+    package would give; autotuning picks a winner per token count, a pin has to hold for all), its table
+    printed against the heuristic tile's GPU time."""
+    rows = []
+    for what, (configs, call) in calls.items():
+        if what not in heuristic:
+            continue
         timings = config_sweep(configs, lambda c: kernel_seconds(lambda: [call(p, c) for p in packs_]))
         rows += [(what, f"pinned {tile_name(c)}", t, float("nan")) for c, t in timings]
-        print(config_table(what, timings, heuristic), flush=True)
+        print(config_table(what, timings, heuristic[what]), flush=True)
     return rows
+
+
+def fc1_pin_rows(shape, micro):
+    """fc1's two backward GEMMs of the fused MLP (``--only fc1pins``): the heuristic tile, then every Hopper
+    configuration pinned for all packs. The kernels are compiled first by one autotuned call on the largest
+    pack (quack's pool compiles them in parallel); the sweep then only runs them."""
+    from quack.gemm_interface import gemm, gemm_add_inplace
+
+    w1, w2, g1, packs_ = mlp_packs(shape, micro)
+    calls = {what: call for what, call in pinned_calls(shape, w1, w2, g1, packs_).items() if what.startswith("fc1")}
+    today = {"fc1 input grad: dpre @ W1": lambda p, tuned: gemm(p.dpre, w1, dynamic_scheduler=True, tuned=tuned,
+                                                                 concat_layout=("B",)),
+             "fc1 weight grad into float32": lambda p, tuned: gemm_add_inplace(
+                 p.dpre.t(), p.x, g1, dynamic_scheduler=True, tuned=tuned, concat_layout=("C", "out"))}
+    largest = max(packs_, key=lambda p: p.x.shape[0])
+    heuristic = {}
+    for what, call in today.items():
+        heuristic[what] = kernel_seconds(lambda: [call(p, False) for p in packs_])
+        print(f"{what:30} {'heuristic (today)':45} {'':>9} {heuristic[what] * 1e3:9.3f}", flush=True)
+        call(largest, True)  # compiles every configuration
+    return pinned_sweeps(calls, packs_, heuristic)
 
 
 def tile_name(c) -> str:
@@ -637,7 +689,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="qwen2.5-1.5b", choices=[s for s in SHAPES if s != "tiny"])
     parser.add_argument("--budget", type=int, default=16384)
-    parser.add_argument("--only", help="only these rows, comma-separated: qkv, norm, swiglu, mlp, mlpbwd")
+    parser.add_argument("--only", help="only these rows, comma-separated: qkv, norm, swiglu, mlp, mlpbwd, fc1pins")
     parser.add_argument("--cudnn", action="store_true",
                         help="also cuDNN attention (its ragged path is experimental in PyTorch: run it apart)")
     args = parser.parse_args()
@@ -648,7 +700,7 @@ def main():
         print(f"{'what':30} {'path':45} {'wall ms':>9} {'GPU ms':>9} {'max diff':>9}")
         for part in args.only.split(","):
             rows = {"qkv": qkv_rows, "norm": norm_rows, "swiglu": swiglu_rows, "mlp": mlp_rows,
-                    "mlpbwd": mlp_backward_rows}[part](shape, micro)
+                    "mlpbwd": mlp_backward_rows, "fc1pins": fc1_pin_rows}[part](shape, micro)
             if part == "mlp":  # its rows, failures included, in one table (ms per layer over all packs)
                 for what, path, t, diff in rows:
                     print(f"{what:30} {path:45} {t * 1e3:9.3f} {'':>9} {diff:9.2e}")
