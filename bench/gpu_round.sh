@@ -208,7 +208,7 @@ if has fc1pins; then  # fc1's backward GEMMs (quack): each Hopper tile configura
     step "fc1 pins $shape"
     timeout "$(left 260)" python3 bench/kernel_probe.py --shape $shape --only fc1pins >"$OUT/fc1pins-$shape.log" 2>&1
     echo "exit $?"; grep -avE "Warning|warn" "$OUT/fc1pins-$shape.log" \
-      | grep -aE "heuristic|one configuration|^  [0-9]+x[0-9]+ |fastest|Error|^torch" | head -40 | cut -c1-220
+      | grep -aE "heuristic|one configuration|^  [0-9]+x[0-9]+ |fastest|in turns|Error|^torch" | head -40 | cut -c1-220
   done
 fi
 if has launch; then

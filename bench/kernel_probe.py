@@ -21,6 +21,7 @@ difference from the reference path.
 import argparse
 import statistics
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -417,10 +418,11 @@ def pinned_calls(shape, w1, w2, g1, packs_) -> dict:
     }
 
 
-def pinned_sweeps(calls: dict, packs_, heuristic: dict) -> list[tuple]:
+def pinned_sweeps(calls: dict, packs_, heuristic: dict, today: dict | None = None) -> list[tuple]:
     """Each GEMM of ``calls`` with each of its configurations pinned for every pack (what ``config=`` in the
     package would give; autotuning picks a winner per token count, a pin has to hold for all), its table
-    printed against the heuristic tile's GPU time."""
+    printed against the heuristic tile's GPU time. With ``today`` (what: call(pack)), the package's call and
+    the fastest pin are timed again in turns, five each: the GPU's clock drifts over a sweep."""
     rows = []
     for what, (configs, call) in calls.items():
         if what not in heuristic:
@@ -428,6 +430,15 @@ def pinned_sweeps(calls: dict, packs_, heuristic: dict) -> list[tuple]:
         timings = config_sweep(configs, lambda c: kernel_seconds(lambda: [call(p, c) for p in packs_]))
         rows += [(what, f"pinned {tile_name(c)}", t, float("nan")) for c, t in timings]
         print(config_table(what, timings, heuristic[what]), flush=True)
+        if today and what in today and timings:
+            best = timings[0][0]
+            turns = {"today": [], "pinned": []}
+            for _ in range(5):
+                turns["today"].append(kernel_seconds(lambda: [today[what](p) for p in packs_]))
+                turns["pinned"].append(kernel_seconds(lambda: [call(p, best) for p in packs_]))
+            a, b = (statistics.median(turns[k]) for k in ("today", "pinned"))
+            print(f"{what}: in turns, today {a * 1e3:.3f} ms, pinned {tile_name(best)} {b * 1e3:.3f} ms "
+                  f"({b / a - 1:+.1%})", flush=True)
     return rows
 
 
@@ -449,7 +460,7 @@ def fc1_pin_rows(shape, micro):
         heuristic[what] = kernel_seconds(lambda: [call(p, False) for p in packs_])
         print(f"{what:30} {'heuristic (today)':45} {'':>9} {heuristic[what] * 1e3:9.3f}", flush=True)
         call(largest, True)  # compiles every configuration
-    return pinned_sweeps(calls, packs_, heuristic)
+    return pinned_sweeps(calls, packs_, heuristic, {what: partial(call, tuned=False) for what, call in today.items()})
 
 
 def tile_name(c) -> str:
