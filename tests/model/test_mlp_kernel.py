@@ -90,11 +90,11 @@ def test_use_fused_mlp_changes_only_the_dense_mlps_and_keeps_megatrons_arithmeti
 
 
 def test_keep_activation_reaches_every_fused_mlp_and_changes_nothing_on_the_cpu(monkeypatch):
-    """model.fused_mlp_keep_activation (off by default) is handed to every fused MLP when the model is built
+    """model.fused_mlp_keep_activation (on by default) is handed to every fused MLP when the model is built
     (here with the fused MLP forced in: on the CPU each call declines and runs Megatron's MLP, bit for bit)."""
     from megacritic.model import value_model
 
-    assert not load_config(BASE).model.fused_mlp_keep_activation
+    assert load_config(BASE).model.fused_mlp_keep_activation
     monkeypatch.setattr(value_model, "fused_mlp_runs", lambda model, config: True)
     runs = {}
     for keep in (False, True):

@@ -151,13 +151,14 @@ class ModelConfig:
     rounding: outputs agree with Megatron's MLP within bf16 rounding. Megatron's MLP instead with tensor
     parallelism, float32, or where quack or the GPU is not there (logged). Also inside cuda_graphs' captures.
     No effect on CPU."""
-    fused_mlp_keep_activation: bool = False
+    fused_mlp_keep_activation: bool = True
     """With fused_mlp: keep each MLP's activation from the forward (``[tokens, intermediate_size]`` per layer
-    and micro-batch, in the compute dtype) for fc2's weight gradient, instead of recomputing it in the
-    epilogue of fc2's input-gradient GEMM, which then writes one output instead of two: more activation
-    memory for less backward time (bench/NOTES.md). fc2's weight gradient then uses the activation the
-    forward used (from fc1's float32 accumulator) instead of one recomputed from the bf16 pre-activation.
-    In a recomputed layer the activation is kept only until that layer's backward. No effect where fused_mlp
+    and micro-batch, in the compute dtype: ~8 GB at 1.5B and ~13 GB at 3B for a 16,384-token micro-batch)
+    for fc2's weight gradient, so that the epilogue of fc2's input-gradient GEMM writes one output instead of
+    two: that GEMM -21% at 1.5B (131 -> 103 ms per update on an H100; bench/NOTES.md). False recomputes the
+    activation there instead (less activation memory). Kept, fc2's weight gradient uses the activation the
+    forward used (from fc1's float32 accumulator); recomputed, one from the bf16 pre-activation. In a
+    recomputed layer the activation is kept only until that layer's backward. No effect where fused_mlp
     does not run."""
     attention_impl: str = "auto"
     """Attention kernel of packed micro-batches on GPU: fa4 (FlashAttention-4, ``flash_attn.cute``, Hopper and

@@ -11,8 +11,9 @@ SwiGLU kernels took 0.103 s of a 1.38 s update on an H100 (bench/NOTES.md), at b
 * backward: ``gemm_dact`` computes ``dout @ W2`` and in its epilogue the SwiGLU's derivative from the saved
   pre-activation, writing its gradient and the recomputed activation (fc2's weight gradient needs it, so the
   activation is not kept from the forward: ``[t, f]`` less memory per layer); with ``keep_activation``
-  (``model.fused_mlp_keep_activation``) the forward's activation is kept instead and the same GEMM writes the
-  gradient alone (:func:`dswiglu_epilogue`: 8 instead of 10 bytes per intermediate element and token);
+  (``model.fused_mlp_keep_activation``, the default) the forward's activation is kept instead and the same
+  GEMM writes the gradient alone (:func:`dswiglu_epilogue`: 8 instead of 10 bytes per intermediate element
+  and token; the GEMM -21% at 1.5B on an H100, where its epilogue, not its mainloop, bounds it);
 * fc2's forward and weight gradient stay cuBLAS (float32 accumulation into ``main_grad``, as
   ``megacritic.compat.kernels`` gives Megatron's layers), fc1's input and weight gradients are quack GEMMs that
   read the pre-activation's layout.
@@ -138,7 +139,7 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         return dx, dw1, dw2, None
 
 
-def swiglu_mlp(x: Tensor, w1: Tensor, w2: Tensor, keep_activation: bool = False) -> Tensor:
+def swiglu_mlp(x: Tensor, w1: Tensor, w2: Tensor, keep_activation: bool = True) -> Tensor:
     """The MLP on ``x`` [..., h]; without autograd only the activation is written (no pre-activation)."""
     rows = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad):
@@ -154,7 +155,7 @@ class FusedSwiGLUMLP(MLP):
     """Megatron's MLP (same submodules, parameters and names) whose forward is :func:`swiglu_mlp` where it
     can run (module docstring), else upstream's."""
 
-    keep_activation = False  # set per module by use_fused_mlp
+    keep_activation = True  # set per module by use_fused_mlp
 
     def runs_fused(self, hidden_states: Tensor, per_token_scale) -> bool:
         c = self.config
@@ -171,7 +172,7 @@ class FusedSwiGLUMLP(MLP):
                           keep_activation=self.keep_activation), None
 
 
-def use_fused_mlp(model: torch.nn.Module, keep_activation: bool = False) -> int:
+def use_fused_mlp(model: torch.nn.Module, keep_activation: bool = True) -> int:
     """Give every dense MLP of ``model`` (exactly Megatron's ``MLP``: not experts, not shared experts)
     :class:`FusedSwiGLUMLP`'s forward, keeping the activation for the backward where ``keep_activation``
     (``model.fused_mlp_keep_activation``); the number changed. After the model is built, not through the
