@@ -309,11 +309,10 @@ def mlp_backward_rows(shape, micro):
     layout, and ``gemm_dact`` without its second output (were the activation kept from the forward: is its
     epilogue what bounds it?). GPU time of one layer over all packs (``kernel_seconds``): the update is bound
     by the GPU at 1.5B and 3B, so this is what a call pays."""
-    from quack.gemm_interface import gemm, gemm_add_inplace, gemm_dact
-
-    from megacritic.model.mlp_kernel import dswiglu_epilogue
+    from quack.gemm_interface import gemm_dact
 
     w1, w2, g1, packs_ = mlp_packs(shape, micro)
+    today = package_calls(w1, w2, g1)
     first = packs_[0]  # both layouts hold one gradient: quack's alternates gate and up columns
     halves = torch.cat([first.dpre[:, 0::2], first.dpre[:, 1::2]], dim=1).float()
     print(f"first pack, pre-activation gradient, quack against cuBLAS + kernel: relative difference "
@@ -323,10 +322,7 @@ def mlp_backward_rows(shape, micro):
         return [(f"{name}, heuristic (today)", lambda p: call(p, False)),
                 (f"{name}, autotuned", lambda p: call(p, True))]
 
-    def dpre_alone(p, tuned):  # gemm_dact's epilogue less the activation (model.fused_mlp_keep_activation)
-        return dswiglu_epilogue()(p.dout, w2, p.pre, out={"D": torch.empty_like(p.pre)}, tuned=tuned,
-                                  dynamic_scheduler=True)["D"]
-
+    dpre_alone = today["dact, no activation out"]
     try:
         alone = dpre_alone(first, False)
         print(f"first pack, pre-activation gradient, the epilogue without the activation against gemm_dact: "
@@ -342,13 +338,9 @@ def mlp_backward_rows(shape, micro):
             ("quack, no activation out, autotuned", lambda p: dpre_alone(p, True)),
             ("cuBLAS + SwiGLU backward kernel",
              lambda p: torch.autograd.grad(p.act, p.y, p.dout @ w2, retain_graph=True))],
-        "fc1 input grad: dpre @ W1": quack(
-            "quack, concat layout", lambda p, tuned: gemm(p.dpre, w1, dynamic_scheduler=True, tuned=tuned,
-                                                          concat_layout=("B",))) + [
+        "fc1 input grad: dpre @ W1": quack("quack, concat layout", today["fc1 input grad: dpre @ W1"]) + [
             ("cuBLAS, [gate | up]", lambda p: p.dy @ w1)],
-        "fc1 weight grad into float32": quack(
-            "quack add in place, concat", lambda p, tuned: gemm_add_inplace(
-                p.dpre.t(), p.x, g1, dynamic_scheduler=True, tuned=tuned, concat_layout=("C", "out"))) + [
+        "fc1 weight grad into float32": quack("quack add in place, concat", today["fc1 weight grad into float32"]) + [
             ("cuBLAS addmm, [gate | up]", lambda p: torch.addmm(g1, p.dy.t(), p.x, out_dtype=torch.float32, out=g1))],
     }
     rows = []
@@ -395,12 +387,27 @@ def mlp_packs(shape, micro):
     return w1, w2, g1, packs_
 
 
+def package_calls(w1, w2, g1) -> dict:
+    """The fused MLP's backward GEMMs as ``megacritic.model.mlp_kernel`` calls them, each call(pack, tuned):
+    tuned=False is the package's heuristic tile, tuned=True quack's autotuner (a winner per token count)."""
+    from quack.gemm_interface import gemm, gemm_add_inplace
+
+    from megacritic.model.mlp_kernel import dswiglu_epilogue
+
+    return {
+        "dact, no activation out": lambda p, tuned: dswiglu_epilogue()(
+            p.dout, w2, p.pre, out={"D": torch.empty_like(p.pre)}, tuned=tuned, dynamic_scheduler=True)["D"],
+        "fc1 input grad: dpre @ W1": lambda p, tuned: gemm(p.dpre, w1, dynamic_scheduler=True, tuned=tuned,
+                                                           concat_layout=("B",)),
+        "fc1 weight grad into float32": lambda p, tuned: gemm_add_inplace(
+            p.dpre.t(), p.x, g1, dynamic_scheduler=True, tuned=tuned, concat_layout=("C", "out")),
+    }
+
+
 def pinned_calls(shape, w1, w2, g1, packs_) -> dict:
     """Per backward GEMM of the fused MLP: quack's Hopper configurations for it, and call(pack, config)."""
     from quack.gemm_config import get_all_configs
     from quack.gemm_interface import gemm_dact, gemm_tuned
-
-    from megacritic.model.mlp_kernel import dswiglu_epilogue
 
     sm90 = [c for c in get_all_configs() if c.device_capacity == 9 and not c.swap_ab]
     gated = [c for c in get_all_configs(epilogue="gated") if c.device_capacity == 9 and not c.swap_ab]
@@ -408,8 +415,6 @@ def pinned_calls(shape, w1, w2, g1, packs_) -> dict:
     return {
         "dact: dout @ W2, SwiGLU'": (gated, lambda p, c: gemm_dact(p.dout, w2, p.pre, activation="swiglu",
                                                                    config=c)),
-        "dact, no activation out": (gated, lambda p, c: dswiglu_epilogue()(
-            p.dout, w2, p.pre, out={"D": torch.empty_like(p.pre)}, config=c, dynamic_scheduler=True)),
         "fc1 input grad: dpre @ W1": (sm90, lambda p, c: gemm_tuned.fn(
             p.dpre, w1, dx[:p.x.shape[0]], None, dynamic_scheduler=True, config=c, concat_layout=("B",))),
         "fc1 weight grad into float32": (sm90, lambda p, c: gemm_tuned.fn(
@@ -446,14 +451,9 @@ def fc1_pin_rows(shape, micro):
     """fc1's two backward GEMMs of the fused MLP (``--only fc1pins``): the heuristic tile, then every Hopper
     configuration pinned for all packs. The kernels are compiled first by one autotuned call on the largest
     pack (quack's pool compiles them in parallel); the sweep then only runs them."""
-    from quack.gemm_interface import gemm, gemm_add_inplace
-
     w1, w2, g1, packs_ = mlp_packs(shape, micro)
     calls = {what: call for what, call in pinned_calls(shape, w1, w2, g1, packs_).items() if what.startswith("fc1")}
-    today = {"fc1 input grad: dpre @ W1": lambda p, tuned: gemm(p.dpre, w1, dynamic_scheduler=True, tuned=tuned,
-                                                                 concat_layout=("B",)),
-             "fc1 weight grad into float32": lambda p, tuned: gemm_add_inplace(
-                 p.dpre.t(), p.x, g1, dynamic_scheduler=True, tuned=tuned, concat_layout=("C", "out"))}
+    today = {what: call for what, call in package_calls(w1, w2, g1).items() if what in calls}
     largest = max(packs_, key=lambda p: p.x.shape[0])
     heuristic = {}
     for what, call in today.items():

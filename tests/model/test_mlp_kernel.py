@@ -81,7 +81,7 @@ def test_use_fused_mlp_changes_only_the_dense_mlps_and_keeps_megatrons_arithmeti
         before = worker.compute_values(batch)
         chunk = worker.state.model[0].module
         names = [n for n, _ in chunk.named_parameters()]
-        assert mlp_kernel.use_fused_mlp(chunk) == 2  # model.num_hidden_layers=2
+        assert mlp_kernel.use_fused_mlp(chunk, keep_activation=True) == 2  # model.num_hidden_layers=2
         assert [n for n, _ in chunk.named_parameters()] == names
         assert all(type(layer.mlp) is FusedSwiGLUMLP for layer in chunk.decoder.layers)
         assert torch.equal(worker.compute_values(batch), before)

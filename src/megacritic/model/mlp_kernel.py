@@ -139,7 +139,7 @@ class SwiGLUMLPFunction(torch.autograd.Function):
         return dx, dw1, dw2, None
 
 
-def swiglu_mlp(x: Tensor, w1: Tensor, w2: Tensor, keep_activation: bool = True) -> Tensor:
+def swiglu_mlp(x: Tensor, w1: Tensor, w2: Tensor, *, keep_activation: bool) -> Tensor:
     """The MLP on ``x`` [..., h]; without autograd only the activation is written (no pre-activation)."""
     rows = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad or w2.requires_grad):
@@ -155,7 +155,7 @@ class FusedSwiGLUMLP(MLP):
     """Megatron's MLP (same submodules, parameters and names) whose forward is :func:`swiglu_mlp` where it
     can run (module docstring), else upstream's."""
 
-    keep_activation = True  # set per module by use_fused_mlp
+    keep_activation: bool  # set per module by use_fused_mlp
 
     def runs_fused(self, hidden_states: Tensor, per_token_scale) -> bool:
         c = self.config
@@ -172,7 +172,7 @@ class FusedSwiGLUMLP(MLP):
                           keep_activation=self.keep_activation), None
 
 
-def use_fused_mlp(model: torch.nn.Module, keep_activation: bool = True) -> int:
+def use_fused_mlp(model: torch.nn.Module, *, keep_activation: bool) -> int:
     """Give every dense MLP of ``model`` (exactly Megatron's ``MLP``: not experts, not shared experts)
     :class:`FusedSwiGLUMLP`'s forward, keeping the activation for the backward where ``keep_activation``
     (``model.fused_mlp_keep_activation``); the number changed. After the model is built, not through the
