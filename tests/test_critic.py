@@ -426,7 +426,7 @@ def test_update_makes_no_temporary_the_size_of_the_model(dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_steps_decided_on_the_device_equal_steps_decided_on_the_host(dtype, monkeypatch):
     # torch's fused AdamW (on the CPU here, as on a GPU) takes the step on the device: grad norm, clipping and
-    # the skip of a non-finite step (the 2nd of 4, an inf planted in the gradient buffer) without a host read.
+    # the skip of a non-finite step (the 2nd of 4, an inf planted in a gradient) without a host read.
     # The same steps with the decision taken on the host must give the same weights, Adam state and metrics,
     # to the bit: the arithmetic is the same.
     config = load_config(BASE + [f"model.dtype={dtype}", "ppo_mini_batch_size=4", "optim.clip_grad=0.05"])
@@ -448,8 +448,8 @@ def test_steps_decided_on_the_device_equal_steps_decided_on_the_host(dtype, monk
             def run_and_plant(*args, **kwargs):
                 out = plain(*args, **kwargs)
                 runs.append(None)
-                if len(runs) == 2:
-                    critic.state.model[0].buffers[0].grad_data[5] = float("inf")
+                if len(runs) == 2:  # a parameter's gradient (the buffer also holds alignment padding)
+                    next(critic.state.model[0].parameters()).main_grad.view(-1)[0] = float("inf")
                 return out
 
             critic.forward_backward.run = run_and_plant
@@ -471,3 +471,36 @@ def test_steps_decided_on_the_device_equal_steps_decided_on_the_host(dtype, monk
     assert all(torch.equal(a, b) for a, b in zip(device[1], host[1]))
     assert all(torch.equal(a, b) for a, b in zip(device[2], host[2]))
     assert device[3] == host[3]
+
+
+@pytest.mark.parametrize("planted", [float("nan"), 1e30])
+def test_a_step_on_the_device_is_skipped_when_the_grad_norm_is_not_finite(planted):
+    # The device step finds a bad gradient through the grad norm's own pass: a NaN, or a finite entry whose
+    # square overflows float32 (where Megatron's clipping would scale every gradient by 0 and still step).
+    config = load_config(BASE + ["ppo_mini_batch_size=4"])
+    batch = SyntheticRollouts(config).batch(0)
+    worker = CriticWorker(config)
+    worker.init_model()
+    try:
+        use_fused_adamw(worker.state.optimizer)
+        assert optim.steps_on_device(worker.state.optimizer)
+        batch["values"] = worker.compute_values(batch)
+        critic = worker._require_model()
+        plain, params = critic.forward_backward.run, []
+
+        def run_and_plant(*args, **kwargs):
+            out = plain(*args, **kwargs)
+            params.append([p.detach().clone() for p in critic.state.model[0].parameters()])
+            if len(params) == 2:
+                next(critic.state.model[0].parameters()).main_grad.view(-1)[0] = planted
+            return out
+
+        critic.forward_backward.run = run_and_plant
+        metrics = worker.update_critic(batch)
+        after = [p.detach().clone() for p in critic.state.model[0].parameters()]
+    finally:
+        worker.close()
+    assert metrics["critic/skipped_steps"] == [0.0, 1.0]
+    assert math.isnan(metrics["critic/grad_norm"][1]) and math.isfinite(metrics["critic/grad_norm"][0])
+    assert all(torch.equal(a, b) for a, b in zip(params[1], after))  # the second step kept the weights
+    assert not all(torch.equal(a, b) for a, b in zip(params[0], params[1]))  # the first one moved them

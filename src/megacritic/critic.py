@@ -244,8 +244,8 @@ class MegatronPPOCritic:
 
     def _queue_optimizer_step(self, step: _Step) -> None:
         """A step's second part: the gradient check and the optimizer step. On the device where the optimizer
-        allows it (:func:`megacritic.optim.steps_on_device`): a non-finite loss or gradient makes the step
-        keep the weights there, and the results start their way to the host without the host waiting.
+        allows it (:func:`megacritic.optim.steps_on_device`): a non-finite loss or grad norm (any gradient inf
+        or NaN) makes the step keep the weights there, and the results start their way to the host without the host waiting.
         Otherwise the host reads the check first and decides (:meth:`optimizer_step`)."""
         with self.doing("update_critic: optimizer step"):
             step.lr = self._lr()
@@ -253,8 +253,7 @@ class MegatronPPOCritic:
             # norm then overflows and Megatron's clipping would zero them instead of reporting the fault.
             loss_finite = torch.isfinite(step.sums[STAT_KEYS.index("loss")])
             if steps_on_device(self.state.optimizer):
-                skip = (self.nonfinite_grads() + ~loss_finite).clamp(max=1.0)
-                grad_norm = step_on_device(self.state.optimizer, skip)
+                grad_norm, skip = step_on_device(self.state.optimizer, (~loss_finite).to(torch.float32))
                 step.results = _HostCopy(torch.cat([step.sums, skip.to(torch.float64).reshape(1),
                                                     grad_norm.reshape(1)]))
             else:

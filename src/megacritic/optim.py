@@ -172,11 +172,14 @@ def steps_on_device(optimizer) -> bool:
 
 
 @torch.no_grad()
-def step_on_device(optimizer, skip: torch.Tensor) -> torch.Tensor:
+def step_on_device(optimizer, skip: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's ``optimizer.step()`` with no host read: the grad norm, the clipping and the decision to skip
     stay on the device. ``skip``: a float32 device scalar, 1.0 to keep the weights (the step is queued and
-    does nothing; Adam's step counts are kept), 0.0 to apply the gradients. Returns the grad norm before
-    clipping as a float64 device scalar, to be read with the step's other results.
+    does nothing; Adam's step counts are kept), 0.0 to apply the gradients. A grad norm that is not finite
+    keeps them too: some gradient is inf or NaN (or so large that the sum of squares overflows float32),
+    found by the norm's own pass instead of one more pass over the gradients. Returns the grad norm before
+    clipping as a float64 device scalar and the skip taken (float32), to be read with the step's other
+    results.
 
     Upstream reads the norm on the host (``get_grad_norm_fp32``'s ``.item()``) to decide the clip, so each
     step waits for the GPU twice (with the caller's check). The arithmetic is upstream's: each part's
@@ -194,6 +197,7 @@ def step_on_device(optimizer, skip: torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(square, group=part.get_grad_stats_parallel_group())
         squares.append(square)
     grad_norm = torch.stack(squares).sum().double().sqrt()
+    skip = torch.maximum(skip, (~torch.isfinite(grad_norm)).to(skip.dtype))
     for part in parts:
         grads = [p.grad for p in part.get_parameters() if p.grad is not None]
         if grads:
@@ -207,4 +211,4 @@ def step_on_device(optimizer, skip: torch.Tensor) -> torch.Tensor:
     finally:
         for inner in inners:
             del inner.found_inf
-    return grad_norm
+    return grad_norm, skip
