@@ -27,6 +27,8 @@
 #   alloc      3B both phases, 4 calls, without and with megatron.expandable_segments=true           ~3.5
 #   multiple   0.5B with graphs, packs padded to multiples of 1,024 / 256 / 128 (MULTIPLES): both phases timed ~7
 #   multiple15 1.5B with graphs at a multiple of 128 tokens against 1.5B eager: both phases timed            ~6
+#   byop       1.5B update_critic: the GPU's time by the autograd node and aten op that launched each kernel
+#              (bench/kernels_by_op.py on a profiler trace)                                            ~3
 #   launch     bench/launch_probe.py: one layer eager against a CUDA graph at a fixed pack size          ~4
 #   kernels    bench/kernel_probe.py at 1.5B and 3B (RoPE, weight gradients, MLP with quack's fused SwiGLU) ~3
 #   bench=NAME any other bench part: the arguments after COMMIT go to `megacritic bench` (part-NAME.json)
@@ -210,6 +212,10 @@ if has fc1pins; then  # fc1's backward GEMMs (quack): each Hopper tile configura
     echo "exit $?"; grep -avE "Warning|warn" "$OUT/fc1pins-$shape.log" \
       | grep -aE "heuristic|one configuration|^  [0-9]+x[0-9]+ |fastest|in turns|Error|^torch" | head -40 | cut -c1-220
   done
+fi
+if has byop; then  # one 1.5B update's device time by the op that launched each kernel (the trace stays there)
+  hostrun byop-15b 240 --shape qwen2.5-1.5b --phase update --calls 2 --trace /tmp/byop-15b.json
+  python3 bench/kernels_by_op.py /tmp/byop-15b.json --top 70 >"$OUT/byop-15b.txt"; head -50 "$OUT/byop-15b.txt" | cut -c1-220
 fi
 if has launch; then
   step "launch: fixed-size packs and CUDA graphs, 0.5B and 1.5B"
