@@ -24,6 +24,29 @@ def load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
+def device_events(events: list[dict]) -> list[dict]:
+    """The trace's kernels, memsets and copies on the GPU, by start time."""
+    device = ("kernel", "gpu_memcpy", "gpu_memset")
+    return sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in device), key=lambda e: e["ts"])
+
+
+def launches_by_correlation(events: list[dict]) -> dict:
+    """The host's launch (runtime or driver call) of each device event, by their shared correlation id."""
+    return {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
+            and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+
+
+def host_ops_by_thread(events: list[dict]) -> dict[int, list[dict]]:
+    """The host's ops and named ranges per thread, by start (an outer one before an inner one starting with it)."""
+    ops = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            ops[e["tid"]].append(e)
+    for evs in ops.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+    return ops
+
+
 def _context(stack: list[dict]) -> tuple[str, str]:
     """(innermost aten op, innermost autograd node / Function / range) of the ops open at a launch."""
     op = next((e["name"] for e in reversed(stack) if e["name"].startswith("aten::")), "-")
@@ -35,20 +58,11 @@ def _context(stack: list[dict]) -> tuple[str, str]:
 
 
 def by_op(events: list[dict]) -> collections.Counter:
-    device = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")]
-    launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
-                and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ops = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
-            ops[e["tid"]].append(e)
-    # per thread: ops sorted by start (outer before inner at equal starts), to find those open at a launch
-    starts = {}
-    for tid, evs in ops.items():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        starts[tid] = [e["ts"] for e in evs]
+    """Device microseconds by (autograd node or range, aten op, kernel) of each device event's launch."""
+    launches, ops = launches_by_correlation(events), host_ops_by_thread(events)
+    starts = {tid: [e["ts"] for e in evs] for tid, evs in ops.items()}
     totals = collections.Counter()
-    for k in device:
+    for k in device_events(events):
         launch = launches.get(k.get("args", {}).get("correlation"))
         context = ("-", "-")
         if launch is not None:

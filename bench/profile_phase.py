@@ -32,6 +32,8 @@ from megacritic import CriticWorker, load_config
 from megacritic.bench import SHAPES, megacritic_overrides, rollouts
 from megacritic.flops import forward_flops, mfu
 
+from kernels_by_op import device_events, host_ops_by_thread, launches_by_correlation  # bench/, beside this file
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,17 +165,11 @@ def print_gaps(events: list[dict], phase: str, shown: int = 20, least_us: float 
     kernel's end and the next one's start, summed by what the host was doing when the next kernel was launched
     (the stack of its ranges and ops at the launch: a gap ends when the host gets the kernel queued), then
     the longest gaps one by one with the host's time spent meanwhile by top-level range."""
-    gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                 key=lambda e: e["ts"])
+    gpu = device_events(events)
     if not gpu:
         print(f"{phase}: no kernels in the trace")
         return
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
-    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
-    by_thread = collections.defaultdict(list)
-    for e in host:
-        by_thread[e["tid"]].append(e)
+    launches, by_thread = launches_by_correlation(events), host_ops_by_thread(events)
 
     def stack_at(tid, ts):  # the ranges and ops open on a host thread at ts, outermost first
         open_ = [e for e in by_thread.get(tid, ()) if e["ts"] <= ts <= e["ts"] + e["dur"]]

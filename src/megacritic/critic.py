@@ -245,8 +245,8 @@ class MegatronPPOCritic:
     def _queue_optimizer_step(self, step: _Step) -> None:
         """A step's second part: the gradient check and the optimizer step. On the device where the optimizer
         allows it (:func:`megacritic.optim.steps_on_device`): a non-finite loss or grad norm (any gradient inf
-        or NaN) makes the step keep the weights there, and the results start their way to the host without the host waiting.
-        Otherwise the host reads the check first and decides (:meth:`optimizer_step`)."""
+        or NaN) makes the step keep the weights there, and the results start their way to the host without
+        the host waiting. Otherwise the host reads the check first and decides (:meth:`optimizer_step`)."""
         with self.doing("update_critic: optimizer step"):
             step.lr = self._lr()
             # The loss is checked too: a loss that overflowed can still leave finite (huge) gradients, whose
